@@ -1,0 +1,39 @@
+# The two commands of the README: `make run` (a pipelined training run) and `make test`.
+# Each creates .venv and installs what it needs on its own.
+#
+# TORCH is the PyTorch requirement installed into the virtualenv. The default is the
+# CPU build that lies on this kind of machine; elsewhere pass a CUDA build, e.g.
+#   make test TORCH="torch --index-url https://download.pytorch.org/whl/cu124"
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.torchpipe-installed
+
+.PHONY: run test lint typecheck unit bench docs clean
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) examples/train.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check torchpipe torchpipe_balancing tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(PY) -m mypy --strict torchpipe torchpipe_balancing
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,130 @@
+"""Long-lived worker threads: one per pipeline partition (or data-parallel replica).
+
+Workers live as long as the module that owns them, not one step: creating
+threads on every forward costs page faults (glibc's per-thread arenas) and
+leaves each new thread with PyTorch's default intra-op thread count, which
+``torch.set_num_threads`` in the caller's thread does not change. A worker
+sets its own intra-op thread count once, when it starts.
+
+A task's exception is carried back to the caller through its future, with
+its own type, message and traceback; the worker goes on serving the next task.
+Workers are daemon threads, stopped by :meth:`WorkerGroup.close` or when the
+owning object is garbage collected (a sentinel is queued; nothing joins
+threads in ``__del__``).
+"""
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
+
+import torch
+
+__all__ = ["Worker", "WorkerGroup", "default_intra_op_threads"]
+
+R = TypeVar("R")
+
+_STOP = object()
+
+
+def default_intra_op_threads(devices: Sequence[torch.device]) -> List[int]:
+    """How many intra-op threads each worker should use so that CPU workers share the cores.
+
+    CPU workers split the caller's ``torch.get_num_threads()`` evenly (at least
+    one each): two CPU partitions in a process that uses 2 threads get 1 each.
+    Workers of CUDA devices keep the caller's count.
+    """
+    total = torch.get_num_threads()
+    cpu_workers = sum(1 for d in devices if d.type == "cpu")
+    share = max(1, total // max(1, cpu_workers))
+    return [share if d.type == "cpu" else total for d in devices]
+
+
+def _serve(tasks: "queue.SimpleQueue[Any]", num_threads: int, device: torch.device) -> None:
+    torch.set_num_threads(num_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    while True:
+        item = tasks.get()
+        if item is _STOP:
+            return
+        fn, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: B036 - carried back to the caller, never swallowed
+            future.set_exception(exc)
+            del exc
+        else:
+            future.set_result(result)
+        del fn, future, item
+
+
+class Worker:
+    """One daemon thread that runs submitted callables in order."""
+
+    def __init__(self, name: str, device: torch.device, num_threads: int) -> None:
+        self.name = name
+        self.device = device
+        self.num_threads = num_threads
+        self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=_serve, args=(self._tasks, num_threads, device), name=name, daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], R]) -> "Future[R]":
+        """Queues ``fn``; its result (or exception) arrives through the returned future."""
+        future: "Future[R]" = Future()
+        self._tasks.put((fn, future))
+        return future
+
+    def close(self) -> None:
+        """Lets the thread finish its queued tasks and exit (does not wait for it)."""
+        self._tasks.put(_STOP)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+
+class WorkerGroup:
+    """Workers for a set of devices, stopped when ``owner`` is garbage collected.
+
+    Args:
+        owner: the object whose lifetime bounds the workers (a ``GPipe`` or a
+            ``DataParallel``); the workers hold no reference to it.
+        devices: one worker per entry, in order.
+        name: a prefix for the thread names (``torchpipe-<name>-<index>``).
+        num_threads: intra-op threads per worker; default
+            :func:`default_intra_op_threads`.
+    """
+
+    def __init__(
+        self,
+        owner: object,
+        devices: Sequence[torch.device],
+        name: str,
+        num_threads: Optional[Sequence[int]] = None,
+    ) -> None:
+        threads = list(num_threads) if num_threads is not None else default_intra_op_threads(devices)
+        self.workers = [
+            Worker(f"torchpipe-{name}-{i}", device, n) for i, (device, n) in enumerate(zip(devices, threads))
+        ]
+        self._finalizer = weakref.finalize(owner, WorkerGroup._close_all, list(self.workers))
+
+    @staticmethod
+    def _close_all(workers: List[Worker]) -> None:
+        for worker in workers:
+            worker.close()
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __getitem__(self, index: int) -> Worker:
+        return self.workers[index]
+
+    def close(self) -> None:
+        """Stops every worker (idempotent)."""
+        self._finalizer()

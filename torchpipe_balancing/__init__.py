@@ -1,0 +1,1 @@
+"""torchpipe_balancing: find a GPipe balance by profiling time or memory."""
