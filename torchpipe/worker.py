@@ -68,7 +68,7 @@ class Worker:
         self.name = name
         self.device = device
         self.num_threads = num_threads
-        self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=_serve, args=(self._tasks, num_threads, device), name=name, daemon=True
         )
@@ -76,7 +76,7 @@ class Worker:
 
     def submit(self, fn: Callable[[], R]) -> "Future[R]":
         """Queues ``fn``; its result (or exception) arrives through the returned future."""
-        future: "Future[R]" = Future()
+        future: Future[R] = Future()
         self._tasks.put((fn, future))
         return future
 
