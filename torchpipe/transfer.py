@@ -260,30 +260,36 @@ def send(
     device: torch.device,
     *,
     source_stream: AbstractStream,
-    copy_stream: AbstractStream,
+    source_copy_stream: AbstractStream,
+    target_copy_stream: AbstractStream,
 ) -> Tuple[List[Optional[Tensor]], AbstractEvent]:
     """Starts copying ``tensors`` to ``device``; the consumer passes the result to :func:`receive`.
 
     Tensors already on ``device`` are handed over as they are. On CUDA the copy
-    is queued on ``copy_stream`` after the work already queued on
-    ``source_stream`` (which produced the tensors), so it overlaps with later
-    compute; the returned event marks its end. On CPU this is a plain ``.to``.
+    runs on the copy streams of the source and target devices, after the work
+    already queued on ``source_stream`` (which produced the tensors), so it
+    overlaps with later compute; the returned event marks its end. A copy to
+    the CPU is synchronous, so the CPU consumer never reads before it lands.
     """
     if all(t is None or t.device == device for t in tensors):
         if any(t is not None and t.is_cuda for t in tensors):
             return list(tensors), record_event(source_stream)
         return list(tensors), CPU_EVENT
-    wait_stream(copy_stream, source_stream)
+    wait_stream(source_copy_stream, source_stream)
+    wait_stream(target_copy_stream, source_copy_stream)
+    non_blocking = device.type == "cuda"
     copied: List[Optional[Tensor]] = []
-    with use_stream(copy_stream):
+    with use_stream(source_copy_stream), use_stream(target_copy_stream):
         for tensor in tensors:
             if tensor is None:
                 copied.append(None)
                 continue
-            copied.append(tensor.to(device, non_blocking=True))
-            # The source tensor is read on the copy stream: keep its memory until the copy ends.
-            record_stream(tensor, copy_stream)
-    return copied, record_event(copy_stream)
+            copy = tensor.to(device, non_blocking=non_blocking)
+            # The source is read on the copy streams: keep its memory until the copy ends.
+            record_stream(tensor, source_copy_stream)
+            record_stream(copy, target_copy_stream)
+            copied.append(copy)
+    return copied, record_event(target_copy_stream)
 
 
 def receive(

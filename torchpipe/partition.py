@@ -1,0 +1,129 @@
+"""Partitioning: check the module and the balance, resolve devices, and split the Sequential."""
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from torchpipe.stream import as_device
+from torchpipe.types import Device
+
+__all__ = ["BalanceError", "verify_module", "verify_balance", "resolve_devices", "split_module"]
+
+
+class BalanceError(ValueError):
+    """The balance does not fit the module: wrong sum, or a non-positive entry."""
+
+
+def verify_module(module: nn.Module) -> None:
+    """Checks that ``module`` can be partitioned.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        ValueError: it holds the same child twice, or children share a parameter.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"non-sequential module cannot be partitioned: GPipe takes an nn.Sequential, got {type(module).__name__}"
+        )
+    names_by_child: Dict[int, List[str]] = {}
+    for name, child in module._modules.items():
+        if child is not None:
+            names_by_child.setdefault(id(child), []).append(name)
+    repeated = [names for names in names_by_child.values() if len(names) > 1]
+    if repeated:
+        where = "; ".join(", ".join(names) for names in repeated)
+        raise ValueError(f"module with duplicate children is not supported (the same layer at positions {where})")
+    owners: Dict[int, str] = {}
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        for param in child.parameters():
+            if id(param) in owners and owners[id(param)] != name:
+                raise ValueError(
+                    f"module with duplicate parameters on distinct children is not supported "
+                    f"(layers {owners[id(param)]} and {name} share a parameter of shape {tuple(param.shape)})"
+                )
+            owners[id(param)] = name
+
+
+def verify_balance(module: nn.Sequential, balance: Optional[Sequence[int]]) -> List[int]:
+    """Checks ``balance`` against ``module`` and returns it as a list.
+
+    Raises:
+        ValueError: ``balance`` is missing.
+        BalanceError: it does not sum to ``len(module)`` or has a non-positive entry.
+    """
+    if balance is None:
+        raise ValueError(
+            "balance is required: a list of layer counts per partition summing to "
+            f"{len(module)}; torchpipe_balancing.balance_by_time or balance_by_size can find one"
+        )
+    if isinstance(balance, (int, str)) or not isinstance(balance, Sequence):
+        raise BalanceError(f"balance must be a list of positive ints, got {balance!r}")
+    balance = list(balance)
+    if not balance:
+        raise BalanceError("balance is empty; give at least one partition")
+    bad = [b for b in balance if not isinstance(b, int) or isinstance(b, bool) or b <= 0]
+    if bad:
+        raise BalanceError(f"every entry of balance must be a positive int (balance: {balance}; bad: {bad})")
+    if sum(balance) != len(module):
+        raise BalanceError(
+            f"module has {len(module)} layers but balance sums to {sum(balance)} (balance: {balance}); "
+            "torchpipe_balancing.balance_by_time can find one"
+        )
+    return balance
+
+
+def resolve_devices(devices: Optional[Sequence[Device]], partitions: int) -> List[torch.device]:
+    """One device per partition: the given ones (extra ones ignored), or the defaults.
+
+    The default is ``cuda:0 … cuda:n-1`` when CUDA has at least ``n`` devices,
+    and ``'cpu'`` for every partition when CUDA is not available.
+
+    Raises:
+        IndexError: fewer devices than partitions, given or available.
+    """
+    if devices is None:
+        if not torch.cuda.is_available():
+            return [torch.device("cpu")] * partitions
+        count = torch.cuda.device_count()
+        if count < partitions:
+            raise IndexError(
+                f"{partitions} partitions need {partitions} devices but CUDA has {count}; "
+                "pass devices=[...] (devices may repeat, e.g. devices=['cuda:0'] * n)"
+            )
+        return [torch.device("cuda", i) for i in range(partitions)]
+    if isinstance(devices, (str, int, torch.device)):
+        raise TypeError(f"devices must be a list with one device per partition, got {devices!r}")
+    devices = list(devices)
+    if len(devices) < partitions:
+        raise IndexError(
+            f"too few devices for {partitions} partitions: got {len(devices)} ({devices}); give one per partition"
+        )
+    return [as_device(d) for d in devices[:partitions]]
+
+
+def split_module(
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+) -> Tuple[nn.ModuleList, List[int]]:
+    """Cuts ``module`` into ``len(balance)`` Sequentials of consecutive layers, each moved to its device.
+
+    Layers keep their names, so ``partitions[j].<name>`` is the original layer.
+    Returns the partitions and the index of each one's first layer.
+    """
+    layers = list(module._modules.items())
+    partitions: List[nn.Module] = []
+    offsets: List[int] = []
+    start = 0
+    for count, device in zip(balance, devices):
+        chunk: OrderedDict[str, nn.Module] = OrderedDict()
+        for name, layer in layers[start : start + count]:
+            assert layer is not None, f"layer {name} is None"
+            chunk[name] = layer
+        partitions.append(nn.Sequential(chunk).to(device))
+        offsets.append(start)
+        start += count
+    return nn.ModuleList(partitions), offsets
+
+

@@ -1,0 +1,213 @@
+"""Per-layer profilers: forward+backward time, and memory kept for backward plus parameters.
+
+Both run the layers of an ``nn.Sequential`` one at a time, feeding each layer
+the (detached) output of the previous one, inside :func:`~torchpipe_balancing.sandbox.sandbox`
+so the module comes back exactly as it was.
+
+[Note: layer inputs] Each layer gets a fresh input: floating-point tensors are
+detached, marked ``requires_grad`` and cloned, so the input is not a leaf (a
+first ``ReLU(inplace=True)`` works, as it does inside a pipeline) and the
+user's sample is never modified in place. Integer tensors (token ids) are
+cloned and passed as they are.
+"""
+import dataclasses
+import statistics
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from torchpipe.transfer import map_structure, split, tensors_of
+from torchpipe.types import TensorOrTensors
+
+__all__ = ["profile_times", "profile_sizes", "LayerSize"]
+
+
+def _fresh_input(batch: Any) -> Any:
+    """A copy of ``batch`` that a layer can consume and differentiate (see [Note: layer inputs])."""
+
+    def fresh(t: Tensor) -> Tensor:
+        if t.is_floating_point() or t.is_complex():
+            return t.detach().requires_grad_().clone()
+        return t.detach().clone()
+
+    return map_structure(lambda x: fresh(x) if isinstance(x, Tensor) else x, batch)
+
+
+def _detached(batch: Any) -> Any:
+    return map_structure(lambda x: x.detach() if isinstance(x, Tensor) else x, batch)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_pass(layers: List[nn.Module], sample: Any, device: torch.device) -> List[float]:
+    """Times forward and backward of every layer once; returns seconds per layer."""
+    times: List[float] = []
+    batch = sample
+    for layer in layers:
+        inputs = _fresh_input(batch)
+        _synchronize(device)
+        start = time.perf_counter()
+        output = layer(inputs)
+        _synchronize(device)
+        forward = time.perf_counter() - start
+
+        roots = [t for t in tensors_of(output) if t.requires_grad]
+        grads = [torch.ones_like(t) for t in roots]
+        _synchronize(device)
+        start = time.perf_counter()
+        if roots:
+            torch.autograd.backward(roots, grads)
+        _synchronize(device)
+        backward = time.perf_counter() - start
+
+        times.append(forward + backward)
+        batch = _detached(output)
+        del inputs, output, roots, grads
+    return times
+
+
+def profile_times(
+    module: nn.Sequential, sample: TensorOrTensors, timeout: float, device: torch.device
+) -> List[float]:
+    """Median forward+backward seconds of each layer of ``module`` on ``sample``.
+
+    The module must already be on ``device`` in training mode (the caller
+    wraps this in :func:`~torchpipe_balancing.sandbox.sandbox`) and ``sample``
+    on ``device``.
+
+    A first pass warms up (allocator, kernels, lazy initialisation) and is
+    thrown away; then passes repeat while the next one is expected to finish
+    within ``timeout`` seconds of the start, and each layer's cost is the
+    median of its measurements, which shrugs off the outliers of a busy
+    machine. Layers are interleaved within every pass, so a slow spell of the
+    machine hits all layers alike. If no pass fits after the warm-up, the
+    warm-up pass is used.
+    """
+    layers = list(module)
+    began = time.perf_counter()
+    with torch.enable_grad():
+        warmup = _one_pass(layers, sample, device)
+        measured: List[List[float]] = [[] for _ in layers]
+        last = time.perf_counter() - began
+        while time.perf_counter() - began + last <= timeout:
+            started = time.perf_counter()
+            for costs, seconds in zip(measured, _one_pass(layers, sample, device)):
+                costs.append(seconds)
+            last = time.perf_counter() - started
+    if not measured or not measured[0]:
+        return warmup
+    return [statistics.median(costs) for costs in measured]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSize:
+    """What one layer holds in memory while a micro-batch waits for its backward."""
+
+    #: Bytes of the tensors autograd saved for backward (parameters and buffers excluded),
+    #: deduplicated by storage; on CUDA raised to what the allocator saw if it saw more.
+    activation_bytes: int
+    #: Bytes of the layer's parameters (each counted once).
+    parameter_bytes: int
+    #: CUDA only: the allocator's peak during the forward, above what was allocated before it.
+    cuda_peak_bytes: Optional[int] = None
+
+    def cost(self, param_scale: float) -> float:
+        """The memory cost used for balancing: activations plus ``param_scale`` times the parameters."""
+        return self.activation_bytes + param_scale * self.parameter_bytes
+
+
+def _storage_key(t: Tensor) -> Tuple[str, int]:
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse or other tensors without one storage
+        return ("id", id(t))
+
+
+def _storage_bytes(t: Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def _layer_size(layer: nn.Module, inputs: Any, device: torch.device) -> Tuple[LayerSize, Any]:
+    """Runs ``layer`` forward on ``inputs`` and measures it; returns the measurement and the output."""
+    # Parameters and buffers are kept alive by the layer, not by the micro-batch.
+    own: Set[Tuple[str, int]] = {_storage_key(t) for t in layer.parameters()}
+    own |= {_storage_key(t) for t in layer.buffers()}
+    parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    before_storages = {_storage_key(t) for t in tensors_of(inputs)}
+
+    saved: Dict[Tuple[str, int], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in own:
+            saved[key] = _storage_bytes(t)
+        return t
+
+    def unpack(t: Tensor) -> Tensor:
+        return t
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        allocated_before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        output = layer(inputs)
+    activation_bytes = sum(saved.values())
+    peak: Optional[int] = None
+
+    if cuda:
+        # Cross-check with the allocator: what the forward left allocated, minus outputs that
+        # nothing saved, is what the graph keeps. More than the hooks saw means tensors kept
+        # outside save_for_backward (e.g. stored on ctx directly), which the hooks miss.
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - allocated_before
+        retained = torch.cuda.memory_allocated(device) - allocated_before
+        unsaved_outputs: Dict[Tuple[str, int], int] = {}
+        for t in tensors_of(output):
+            key = _storage_key(t)
+            if key not in saved and key not in before_storages and key not in own:
+                unsaved_outputs[key] = _storage_bytes(t)
+        retained -= sum(unsaved_outputs.values())
+        seen_new = sum(n for key, n in saved.items() if key not in before_storages)
+        unseen = retained - seen_new
+        if unseen > max(1 << 20, seen_new // 10):
+            warnings.warn(
+                f"{type(layer).__name__} keeps {unseen} bytes for backward that "
+                "torch.autograd.graph.saved_tensors_hooks did not see (tensors stored on ctx "
+                "directly?); balance_by_size counts the CUDA allocator's figure for it",
+                stacklevel=4,
+            )
+            activation_bytes += unseen
+
+    return LayerSize(activation_bytes, parameter_bytes, peak), output
+
+
+def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int, device: torch.device) -> List[LayerSize]:
+    """Measures each layer of ``module`` on the first micro-batch of ``input`` split into ``chunks``.
+
+    The module must already be on ``device`` in training mode and ``input``
+    on ``device`` (see :func:`profile_times`). Only forward passes run: what
+    a layer saves for backward is known when its forward returns.
+    """
+    microbatch = split(input, chunks)[0]
+    sizes: List[LayerSize] = []
+    batch: Any = microbatch
+    with torch.enable_grad():
+        for layer in module:
+            inputs = _fresh_input(batch)
+            size, output = _layer_size(layer, inputs, device)
+            sizes.append(size)
+            batch = _detached(output)
+            del inputs, output
+    return sizes
