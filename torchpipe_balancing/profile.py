@@ -82,26 +82,23 @@ def profile_times(
     on ``device``.
 
     A first pass warms up (allocator, kernels, lazy initialisation) and is
-    thrown away; then passes repeat while the next one is expected to finish
-    within ``timeout`` seconds of the start, and each layer's cost is the
-    median of its measurements, which shrugs off the outliers of a busy
-    machine. Layers are interleaved within every pass, so a slow spell of the
-    machine hits all layers alike. If no pass fits after the warm-up, the
-    warm-up pass is used.
+    thrown away. Then timed passes run: always one, and more while the next
+    one is expected to finish within ``timeout`` seconds of the start. Each
+    layer's cost is the median of its measurements, which shrugs off the
+    outliers of a busy machine; layers are interleaved within every pass, so
+    a slow spell of the machine hits all layers alike.
     """
     layers = list(module)
     began = time.perf_counter()
+    measured: List[List[float]] = [[] for _ in layers]
     with torch.enable_grad():
-        warmup = _one_pass(layers, sample, device)
-        measured: List[List[float]] = [[] for _ in layers]
-        last = time.perf_counter() - began
-        while time.perf_counter() - began + last <= timeout:
+        _one_pass(layers, sample, device)  # warm-up
+        last = 0.0
+        while not measured[0] or time.perf_counter() - began + last <= timeout:
             started = time.perf_counter()
             for costs, seconds in zip(measured, _one_pass(layers, sample, device)):
                 costs.append(seconds)
             last = time.perf_counter() - started
-    if not measured or not measured[0]:
-        return warmup
     return [statistics.median(costs) for costs in measured]
 
 
