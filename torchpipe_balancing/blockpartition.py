@@ -27,7 +27,7 @@ from bisect import bisect_left, bisect_right
 from fractions import Fraction
 from math import lcm
 from numbers import Real
-from typing import List, Sequence, Union
+from typing import List, Sequence, Union, cast
 
 __all__ = ["Cost", "solve", "check_partitions"]
 
@@ -57,11 +57,9 @@ def check_partitions(partitions: object, layers: int, what: str = "costs") -> in
 def _to_scaled_ints(costs: Sequence[Cost]) -> List[int]:
     """Converts costs to ints proportional to them, exactly (see [Note: exact arithmetic])."""
     if all(type(c) is int for c in costs):
-        ints = list(costs)
-        bad = [(i, c) for i, c in enumerate(ints) if c < 0]
-        if bad:
-            raise ValueError(f"costs must be non-negative; negative at (index, cost): {bad[:5]}")
-        return ints  # type: ignore[return-value]
+        ints = cast(Sequence[int], costs)
+        if all(c >= 0 for c in ints):  # the common case: exact already, no conversion needed
+            return list(ints)
 
     exact: List[Fraction] = []
     problems: List[str] = []
