@@ -1,4 +1,20 @@
-"""torchpipe: GPipe pipeline parallelism and data-parallel wrappers for PyTorch."""
-from torchpipe.__version__ import __version__
+"""torchpipe: GPipe pipeline parallelism and data-parallel wrappers for PyTorch.
 
-__all__ = ["__version__"]
+Wrap an ``nn.Sequential`` in :class:`GPipe` to train it pipelined over several
+devices; see :mod:`torchpipe.skip` for long skip connections,
+:mod:`torchpipe_balancing` to find a balance, and :mod:`torchpipe.parallel`
+for the data-parallel wrappers.
+"""
+from torchpipe.__version__ import __version__
+from torchpipe.context import current_microbatch, is_checkpointing, is_recomputing
+from torchpipe.gpipe import GPipe
+from torchpipe.partition import BalanceError
+
+__all__ = [
+    "__version__",
+    "GPipe",
+    "BalanceError",
+    "current_microbatch",
+    "is_checkpointing",
+    "is_recomputing",
+]

@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchpipe.context import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit"]
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit", "discard"]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -116,3 +116,10 @@ def commit(module: nn.Module) -> None:
     for layer in module.modules():
         if isinstance(layer, DeferredBatchNorm):
             layer.commit()
+
+
+def discard(module: nn.Module) -> None:
+    """Drops the accumulated statistics of every DeferredBatchNorm in ``module`` (after a failed step)."""
+    for layer in module.modules():
+        if isinstance(layer, DeferredBatchNorm):
+            layer._reset_accumulation()

@@ -1,0 +1,471 @@
+"""The runner: executes a schedule's actions for one mini-batch on the partitions' workers.
+
+[Note: boundaries] Each partition's input for a micro-batch is a detached leaf
+(requiring grad when the tensor it stands for does), and its output keeps its
+graph, so every (partition, micro-batch) owns a small autograd graph cut at
+the partition boundaries. Backward of partition j for micro-batch i is
+``torch.autograd.backward(outputs, grads)`` on that graph, followed by reading
+the leaf's ``.grad`` and handing it to partition j-1. This is what lets each
+backward run as a task on its partition's worker (on CPU the autograd engine
+runs a backward on the thread that calls it, so one big graph would run the
+whole backward on one thread), makes checkpointing simple (a recomputation
+runs the partition again on the same leaf), and is what a process-per-
+partition runner needs.
+
+[Note: backward threads] ``PipelineFunction.backward`` runs on the autograd
+engine's thread for the output's device and waits for the workers. A worker's
+backward of a CUDA graph is executed by that GPU's engine thread; if that is
+the thread blocked in ``PipelineFunction.backward``, nothing moves. So the
+actions of partitions on the output's CUDA device run inline, on the calling
+thread, in the schedule's clock order; every other partition runs on its worker.
+
+Tensors cross between actions through a :class:`Mailbox`: a worker waits there
+for what its next action needs. If any action fails, the mailbox is aborted,
+every waiting worker gives up, and the caller re-raises the first failure
+with its own type and message.
+"""
+import functools
+import threading
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.profiler import record_function
+
+from torchpipe import microbatch, transfer
+from torchpipe.checkpoint import RNGGuard, RNGState
+from torchpipe.context import MicroBatch, task_context
+from torchpipe.microbatch import Batch
+from torchpipe.schedule import Action, Kind, Schedule, clock_cycles, fill_drain, phase
+from torchpipe.stream import (
+    CPU_EVENT,
+    AbstractEvent,
+    AbstractStream,
+    current_stream,
+    new_stream,
+    record_event,
+    use_device,
+    use_stream,
+)
+from torchpipe.worker import WorkerGroup
+
+__all__ = ["Pipeline", "Step", "PipelineFunction", "Aborted"]
+
+FORWARD_PHASE = (Kind.FORWARD,)
+BACKWARD_PHASE = (Kind.RECOMPUTE, Kind.BACKWARD)
+
+
+class Aborted(Exception):
+    """Raised in a task that waited for a tensor another, failed, task was to produce."""
+
+
+class Mailbox:
+    """Where the tasks of one step leave tensors for each other, keyed by what they are."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._slots: Dict[Hashable, Any] = {}
+        self._aborted = False
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._cond:
+            self._slots[key] = value
+            self._cond.notify_all()
+
+    def take(self, key: Hashable) -> Any:
+        with self._cond:
+            while key not in self._slots:
+                if self._aborted:
+                    raise Aborted(f"another pipeline task failed while this one waited for {key}")
+                self._cond.wait()
+            return self._slots.pop(key)
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+
+class Message(NamedTuple):
+    """Tensors handed from one partition to another, with the event that marks their copy."""
+
+    tensors: List[Optional[Tensor]]
+    event: AbstractEvent
+    requires_grad: Tuple[bool, ...]
+    atomic: bool
+
+
+class Boundary(torch.autograd.Function):
+    """The input a partition sees: an alias of its leaves that is not a leaf itself.
+
+    ::
+
+        forward:   leaf ──► alias (same memory)       so an in-place first layer works,
+        backward:  leaf.grad ◄── grad                  as on any intermediate tensor
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *leaves: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(leaf.detach() for leaf in leaves)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Tuple[Tensor, ...]:
+        return grads
+
+
+def _is_differentiable(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _make_leaves(tensors: Sequence[Tensor], requires_grad: Sequence[bool]) -> Tuple[Tensor, ...]:
+    return tuple(
+        t.detach().requires_grad_(flag and _is_differentiable(t)) for t, flag in zip(tensors, requires_grad)
+    )
+
+
+def _alias(leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    """The partition's view of its leaves (see :class:`Boundary`); leaves without grad pass as they are."""
+    needing = [k for k, leaf in enumerate(leaves) if leaf.requires_grad]
+    if not needing:
+        return leaves
+    aliases = Boundary.apply(*(leaves[k] for k in needing))  # type: ignore[no-untyped-call]
+    result = list(leaves)
+    for k, alias in zip(needing, aliases):
+        result[k] = alias
+    return tuple(result)
+
+
+class Step:
+    """One mini-batch in the pipeline: its schedule and the state its forward keeps for its backward."""
+
+    def __init__(
+        self,
+        pipeline: "Pipeline",
+        batches: List[Batch],
+        *,
+        grad_enabled: bool,
+        checkpoint_stop: int,
+        training: bool,
+    ) -> None:
+        self.pipeline = pipeline
+        self.batches: Optional[List[Batch]] = batches
+        self.microbatches = len(batches)
+        self.grad_enabled = grad_enabled
+        self.checkpoint_stop = checkpoint_stop
+        self.training = training
+        self.schedule: Schedule = fill_drain(self.microbatches, len(pipeline.partitions), checkpoint_stop)
+        self.keys: List[Optional[MicroBatch]] = [MicroBatch(i) for i in range(self.microbatches)]
+        self.mailbox = Mailbox()
+        # (microbatch, partition) -> leaves, and the outputs (with graph) once there is one.
+        self.leaves: Dict[Tuple[int, int], Tuple[Batch, Optional[RNGState]]] = {}
+        self.outputs: Dict[Tuple[int, int], Batch] = {}
+        self.results: List[Optional[Batch]] = [None] * self.microbatches
+        self.input_grads: List[Optional[List[Optional[Tensor]]]] = [None] * self.microbatches
+        self.streams: List[AbstractStream] = [current_stream(d) for d in pipeline.devices]
+        self.backward_done = False
+        self.output_atomic = True
+
+
+class Pipeline:
+    """Runs steps over a fixed list of partitions, one worker thread per partition."""
+
+    def __init__(self, owner: object, partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+        self._owner_ref = owner
+        self.partitions = list(partitions)
+        self.devices = list(devices)
+        self.rng = RNGGuard()
+        self._workers: Optional[WorkerGroup] = None
+        self._copy_streams: Optional[List[AbstractStream]] = None
+        self._lock = threading.Lock()
+        self.skip_layout: Any = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # Copies (deepcopy, pickle) get their own workers, streams and locks.
+        return {"_owner_ref": self._owner_ref, "partitions": self.partitions, "devices": self.devices,
+                "skip_layout": self.skip_layout}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["_owner_ref"], state["partitions"], state["devices"])  # type: ignore[misc]
+        self.skip_layout = state["skip_layout"]
+
+    # --- resources, created on first use so that the caller's thread settings apply -----------
+
+    def workers(self) -> WorkerGroup:
+        with self._lock:
+            if self._workers is None:
+                self._workers = WorkerGroup(self._owner_ref, self.devices, "partition")
+            return self._workers
+
+    def copy_streams(self) -> List[AbstractStream]:
+        if self._copy_streams is None:
+            self._copy_streams = [new_stream(d) for d in self.devices]
+        return self._copy_streams
+
+    def close(self) -> None:
+        """Stops the workers (a later step starts new ones)."""
+        with self._lock:
+            if self._workers is not None:
+                self._workers.close()
+                self._workers = None
+
+    # --- phases ----------------------------------------------------------------------------------
+
+    def run_forward(self, step: Step) -> List[Batch]:
+        """Runs every forward action of ``step``; returns the last partition's output per micro-batch."""
+        self._run_phase(step, phase(step.schedule, FORWARD_PHASE), inline=set())
+        step.batches = None
+        if not step.grad_enabled:
+            step.keys = [None] * step.microbatches
+        results = step.results
+        step.results = [None] * step.microbatches
+        assert all(r is not None for r in results), "a micro-batch produced no output"
+        batches = [r for r in results if r is not None]
+        step.output_atomic = batches[0].atomic
+        return batches
+
+    def run_backward(self, step: Step, grads: Sequence[List[Optional[Tensor]]]) -> List[List[Optional[Tensor]]]:
+        """Runs every recompute and backward action, given each micro-batch's output gradients.
+
+        Returns the gradient of each micro-batch's input tensors (None where
+        the input does not require grad).
+        """
+        last = len(self.partitions) - 1
+        for i, grad in enumerate(grads):
+            step.mailbox.put(("grad", i, last), Message(list(grad), record_event(step.streams[last]), (), False))
+        out_device = self.devices[-1]
+        inline = {j for j, d in enumerate(self.devices) if out_device.type == "cuda" and d == out_device}
+        self._run_phase(step, phase(step.schedule, BACKWARD_PHASE), inline=inline)
+        grads_in = step.input_grads
+        step.input_grads = [None] * step.microbatches
+        assert all(g is not None for g in grads_in), "a micro-batch's backward did not finish"
+        return [g for g in grads_in if g is not None]
+
+    def _run_phase(self, step: Step, schedule: Schedule, inline: Set[int]) -> None:
+        futures: List[Future[None]] = []
+        errors: List[BaseException] = []
+        try:
+            workers = self.workers() if len(inline) < len(schedule) else None
+            grad_enabled = step.grad_enabled
+            for j, actions in enumerate(schedule):
+                if actions and j not in inline:
+                    assert workers is not None
+                    futures.append(workers[j].submit(functools.partial(self._run_actions, step, actions, grad_enabled)))
+            if inline:
+                order = [a for cycle in clock_cycles(schedule) for a in cycle if a.partition in inline]
+                try:
+                    self._run_actions(step, order, grad_enabled)
+                except BaseException as exc:  # noqa: B036 - re-raised below, after the workers stop
+                    errors.append(exc)
+            wait_futures(futures)
+        except BaseException:
+            # Interrupted while waiting (KeyboardInterrupt, say): let no worker wait forever.
+            step.mailbox.abort()
+            raise
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                errors.append(error)
+        root = next((e for e in errors if not isinstance(e, Aborted)), errors[0] if errors else None)
+        if root is not None:
+            raise root
+
+    def _run_actions(self, step: Step, actions: Sequence[Action], grad_enabled: bool) -> None:
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                for action in actions:
+                    self._execute(step, action)
+        except BaseException:
+            step.mailbox.abort()
+            raise
+
+    # --- actions ---------------------------------------------------------------------------------
+
+    def _execute(self, step: Step, action: Action) -> None:
+        j = action.partition
+        label = f"torchpipe/part{j}/mb{action.microbatch}/{_LABELS[action.kind]}"
+        with use_device(self.devices[j]), use_stream(step.streams[j]), record_function(label):
+            if action.kind is Kind.FORWARD:
+                self._forward(step, action.microbatch, j)
+            elif action.kind is Kind.RECOMPUTE:
+                self._recompute(step, action.microbatch, j)
+            else:
+                self._backward(step, action.microbatch, j)
+
+    def _receive(self, step: Step, key: Tuple[str, int, int], j: int) -> Message:
+        message: Message = step.mailbox.take(key)
+        tensors = transfer.receive(message.tensors, message.event, step.streams[j])
+        return message._replace(tensors=tensors)
+
+    def _send(self, step: Step, kind: str, i: int, j: int, target: int, batch: Message) -> None:
+        tensors, event = transfer.send(
+            batch.tensors,
+            self.devices[target],
+            source_stream=step.streams[j],
+            source_copy_stream=self.copy_streams()[j],
+            target_copy_stream=self.copy_streams()[target],
+        )
+        transfer.log_transfer(kind, j, target, i, tensors, self.devices[target])
+        mailbox_kind = "act" if kind == "activation" else "grad"
+        step.mailbox.put((mailbox_kind, i, target), batch._replace(tensors=tensors, event=event))
+
+    def _forward(self, step: Step, i: int, j: int) -> None:
+        if j == 0:
+            assert step.batches is not None
+            batch = step.batches[i]
+            tensors: Sequence[Tensor] = batch.values
+            flags = tuple(t.requires_grad for t in tensors)
+            atomic = batch.atomic
+        else:
+            message = self._receive(step, ("act", i, j), j)
+            tensors = [t for t in message.tensors if t is not None]
+            flags, atomic = message.requires_grad, message.atomic
+        leaves = _make_leaves(tensors, [f and step.grad_enabled for f in flags])
+        partition = self.partitions[j]
+        checkpointed = i < step.checkpoint_stop
+        key = step.keys[i]
+        with self.rng.first_forward(
+            j, self.devices[j], step.training, step.checkpoint_stop > 0, save=checkpointed
+        ) as rng_state:
+            if checkpointed:
+                with torch.no_grad(), task_context(key, checkpointing=True):
+                    output = partition(Batch.of(leaves, atomic).value)
+            else:
+                with task_context(key):
+                    output = partition(Batch.of(_alias(leaves), atomic).value)
+        out = self._as_batch(output, j)
+        if step.grad_enabled:
+            step.leaves[(i, j)] = (Batch.of(leaves, atomic), rng_state)
+            if not checkpointed:
+                step.outputs[(i, j)] = out
+        if checkpointed:
+            # Computed without grad: whether an output will need one is known only at recomputation,
+            # after the next partition has run, so every differentiable output is taken to need one.
+            flags = tuple(_is_differentiable(t) for t in out.values)
+        else:
+            flags = tuple(t.requires_grad for t in out.values)
+        self._pass_on(step, i, j, out, flags)
+
+    def _recompute(self, step: Step, i: int, j: int) -> None:
+        leaves, rng_state = step.leaves[(i, j)]
+        assert rng_state is not None, f"{j}R{i} has no saved RNG state"
+        with self.rng.recompute(j, self.devices[j], step.training, rng_state):
+            with torch.enable_grad(), task_context(step.keys[i], recomputing=True):
+                output = self.partitions[j](Batch.of(_alias(leaves.values), leaves.atomic).value)
+        step.outputs[(i, j)] = self._as_batch(output, j)
+
+    def _backward(self, step: Step, i: int, j: int) -> None:
+        message = self._receive(step, ("grad", i, j), j)
+        leaves, _ = step.leaves.pop((i, j))
+        out = step.outputs.pop((i, j))
+        roots, grads = [], []
+        for tensor, grad in zip(out.values, message.tensors):
+            if grad is not None and tensor.requires_grad:
+                roots.append(tensor)
+                grads.append(grad)
+        if roots:
+            # retain_graph: a tensor stashed by hand under current_microbatch() may join this
+            # graph to an earlier partition's, whose own backward then runs through it again.
+            torch.autograd.backward(roots, grads, retain_graph=True)
+        del roots, grads, out
+        input_grads: List[Optional[Tensor]] = [leaf.grad if leaf.requires_grad else None for leaf in leaves.values]
+        if j > 0:
+            self._send(step, "gradient", i, j, j - 1, Message(input_grads, message.event, (), False))
+        else:
+            step.input_grads[i] = input_grads
+            step.keys[i] = None  # the micro-batch's backward is over: release its identity
+
+    def _as_batch(self, output: Any, j: int) -> Batch:
+        if isinstance(output, Tensor):
+            return Batch(output)
+        if isinstance(output, tuple) and output and all(isinstance(x, Tensor) for x in output):
+            return Batch(output)
+        microbatch.check_input(output, f"the output of partition {j} (layers {self._layer_names(j)})")
+        raise AssertionError("unreachable")
+
+    def _layer_names(self, j: int) -> str:
+        names = list(self.partitions[j]._modules)
+        return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
+
+    def _pass_on(self, step: Step, i: int, j: int, out: Batch, flags: Tuple[bool, ...]) -> None:
+        detached: List[Optional[Tensor]] = [t.detach() for t in out.values]
+        if j + 1 < len(self.partitions):
+            self._send(step, "activation", i, j, j + 1, Message(detached, CPU_EVENT, flags, out.atomic))
+        else:
+            device = self.devices[-1]
+            values = [transfer.move(t, device) for t in detached if t is not None]
+            step.results[i] = Batch.of(values, out.atomic)
+
+
+_LABELS = {Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward"}
+
+
+def _split_grads(
+    grads: Sequence[Optional[Tensor]], sizes: List[List[Optional[int]]]
+) -> List[List[Optional[Tensor]]]:
+    """Cuts each output gradient into the micro-batches its output was joined from."""
+    per_microbatch: List[List[Optional[Tensor]]] = [[] for _ in sizes]
+    for k, grad in enumerate(grads):
+        if grad is None:
+            for part in per_microbatch:
+                part.append(None)
+            continue
+        if sizes[0][k] is None:
+            pieces: Sequence[Tensor] = list(grad.unbind(0))
+        else:
+            pieces = torch.split(grad, [s[k] or 0 for s in sizes], 0)
+        for part, piece in zip(per_microbatch, pieces):
+            part.append(piece)
+    return per_microbatch
+
+
+class PipelineFunction(torch.autograd.Function):
+    """Ties a pipelined step into the caller's autograd graph.
+
+    ::
+
+        forward:   inputs ──► [workers run every F action] ──► outputs
+        backward:  input grads ◄── [workers run every R and B action] ◄── output grads
+
+    ``phony`` is an empty tensor that requires grad, so the outputs require
+    grad even when the inputs do not (the parameters, inside the partitions,
+    are not inputs of this function).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, step: Step, phony: Tensor, *inputs: Tensor) -> Tuple[Tensor, ...]:
+        results = step.pipeline.run_forward(step)
+        joined = microbatch.gather(results)
+        outputs = (joined,) if isinstance(joined, Tensor) else tuple(joined)
+        ctx.step = step
+        # How each output splits back into micro-batches (None: a 0-dim output per micro-batch, stacked).
+        ctx.output_sizes = [[t.size(0) if t.dim() > 0 else None for t in r.values] for r in results]
+        ctx.input_meta = [(t.shape, t.dtype, t.device, t.requires_grad) for t in inputs]
+        ctx.mark_non_differentiable(*(o for o in outputs if not _is_differentiable(o)))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        step: Optional[Step] = ctx.step
+        ctx.step = None
+        if step is None or step.backward_done:
+            raise RuntimeError(
+                "GPipe's backward ran twice for one forward; run the forward again "
+                "(retain_graph=True is not supported through a GPipe)"
+            )
+        step.backward_done = True
+        per_microbatch = _split_grads(grad_outputs, ctx.output_sizes)
+        input_grads = step.pipeline.run_backward(step, per_microbatch)
+        joined: List[Optional[Tensor]] = []
+        for k, (shape, dtype, device, requires_grad) in enumerate(ctx.input_meta):
+            parts = [g[k] for g in input_grads]
+            if not requires_grad or all(p is None for p in parts):
+                joined.append(None)
+                continue
+            chunks = torch.empty(shape, device="meta").chunk(step.microbatches)
+            filled = [
+                p if p is not None else torch.zeros(c.shape, dtype=dtype, device=device) for p, c in zip(parts, chunks)
+            ]
+            joined.append(torch.cat(filled) if len(filled) > 1 else filled[0])
+        return (None, None, *joined)
