@@ -64,7 +64,7 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> List[Replic
     if not devices:
         raise ValueError("cannot replicate a module on zero devices")
     source = devices[0]
-    parameters = list(module.parameters())
+    parameters: List[Tensor] = list(module.parameters())
     replicas = [Replica(module, source, parameters)]
     for device in devices[1:]:
         if device == source:
