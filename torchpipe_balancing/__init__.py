@@ -21,7 +21,7 @@ Example::
 """
 import inspect
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Dict, List, Optional, Sequence, Tuple, overload
 
 import torch
@@ -292,10 +292,11 @@ def balance_by_size(*args: Any, **kwargs: Any) -> List[int]:
     )
     partitions = _check("balance_by_size", partitions, module, input, "input")
     chunks, param_scale = options["chunks"], options["param_scale"]
-    if isinstance(chunks, bool) or not isinstance(chunks, int):
+    if isinstance(chunks, bool) or not isinstance(chunks, Integral):
         raise TypeError(f"chunks must be an int, got {type(chunks).__name__} ({chunks!r})")
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {chunks}")
+    chunks = int(chunks)
     if isinstance(param_scale, bool) or not isinstance(param_scale, Real) or not (
         float(param_scale) >= 0 and math.isfinite(param_scale)
     ):

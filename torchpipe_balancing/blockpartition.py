@@ -26,7 +26,7 @@ How it stays fast (10,000 costs into 64 blocks in milliseconds):
 from bisect import bisect_left, bisect_right
 from fractions import Fraction
 from math import lcm
-from numbers import Real
+from numbers import Integral, Real
 from typing import List, Sequence, Union, cast
 
 __all__ = ["Cost", "solve", "check_partitions"]
@@ -42,8 +42,9 @@ def check_partitions(partitions: object, layers: int, what: str = "costs") -> in
         TypeError: ``partitions`` is not an int.
         ValueError: ``partitions`` is less than 1 or more than ``layers``.
     """
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
+    if isinstance(partitions, bool) or not isinstance(partitions, Integral):
         raise TypeError(f"partitions must be an int, got {type(partitions).__name__} ({partitions!r})")
+    partitions = int(partitions)
     if partitions < 1:
         raise ValueError(f"partitions must be at least 1, got {partitions}")
     if partitions > layers:

@@ -154,6 +154,9 @@ def _layer_size(layer: nn.Module, inputs: Any, device: torch.device) -> Tuple[La
 
     cuda = device.type == "cuda"
     if cuda:
+        # A throw-away forward first: lazy allocations that outlive it (the cuBLAS workspace,
+        # cuDNN's) must not be mistaken for memory the graph keeps.
+        layer(_fresh_input(inputs))
         torch.cuda.synchronize(device)
         allocated_before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
