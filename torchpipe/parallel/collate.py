@@ -119,6 +119,10 @@ def _contiguous_parts(items: Sequence[T], parts: int) -> List[Sequence[T]]:
 def per_argument(results: Sequence[Any]) -> Any:
     """Per-part collate results regrouped per argument (see :func:`tp_collate`)."""
     first = results[0]
+    if isinstance(first, (list, tuple)) and len({len(r) for r in results}) > 1:
+        raise ValueError(
+            f"collate_fn returned sequences of different lengths for the parts: {[len(r) for r in results]}"
+        )
     if isinstance(first, dict):
         return {k: [r[k] for r in results] for k in first}
     if isinstance(first, tuple) and hasattr(first, "_fields"):
@@ -250,12 +254,19 @@ def cat(returns: Any, dim: int = 0) -> Any:
     A tuple of tensors becomes one tensor; a list or tuple of per-output tuples
     (what a module returning several values gives) becomes a list with each
     tuple of tensors concatenated (other values are left as they are).
+    0-dimensional tensors (per-replica losses, say) are stacked into a vector.
     """
     if _all_tensors(returns):
-        return torch.cat(list(returns), dim)
+        return _cat(returns, dim)
     if isinstance(returns, (list, tuple)):
-        return [torch.cat(list(r), dim) if _all_tensors(r) else r for r in returns]
+        return [_cat(r, dim) if _all_tensors(r) else r for r in returns]
     return returns
+
+
+def _cat(tensors: Sequence[Tensor], dim: int) -> Tensor:
+    if all(t.dim() == 0 for t in tensors):
+        return torch.stack(list(tensors))
+    return torch.cat(list(tensors), dim)
 
 
 def _all_tensors(value: Any) -> bool:
