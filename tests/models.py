@@ -1,7 +1,6 @@
 """Small layers and model builders shared by the tests."""
 from typing import List, Tuple
 
-import torch
 from torch import Tensor, nn
 
 

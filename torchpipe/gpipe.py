@@ -127,10 +127,11 @@ class GPipe(nn.Module):
         raise MOVING_DENIED
 
     def to(self, *args: Any, **kwargs: Any) -> "GPipe":
-        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
+        # Anything naming a device (a device, a string, an index, a tensor to match) is denied.
+        if any(isinstance(a, (torch.device, str, int, Tensor)) for a in args) or kwargs.get("device") is not None:
             raise MOVING_DENIED
-        return cast(GPipe, super().to(*args, **kwargs))
+        super().to(*args, **kwargs)
+        return self
 
     # --- forward -------------------------------------------------------------------------------
 

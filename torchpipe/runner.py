@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from torchpipe import microbatch, transfer
+from torchpipe import microbatch, trace, transfer
 from torchpipe.checkpoint import RNGGuard, RNGState
 from torchpipe.context import MicroBatch, task_context
 from torchpipe.microbatch import Batch
@@ -285,7 +285,9 @@ class Pipeline:
     def _execute(self, step: Step, action: Action) -> None:
         j = action.partition
         label = f"torchpipe/part{j}/mb{action.microbatch}/{_LABELS[action.kind]}"
-        with use_device(self.devices[j]), use_stream(step.streams[j]), record_function(label):
+        with use_device(self.devices[j]), use_stream(step.streams[j]), record_function(label), trace.span(
+            _LABELS[action.kind], j, action.microbatch
+        ):
             if action.kind is Kind.FORWARD:
                 self._forward(step, action.microbatch, j)
             elif action.kind is Kind.RECOMPUTE:

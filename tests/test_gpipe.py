@@ -1,0 +1,368 @@
+"""GPipe's arguments, errors, container protocol, placement, modes and robustness."""
+import gc
+import threading
+import weakref
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchpipe
+from tests.models import mlp
+from torchpipe import BalanceError, GPipe
+
+
+def cpu_gpipe(module: nn.Sequential, balance: list, **kwargs: object) -> GPipe:
+    return GPipe(module, balance, devices=["cpu"] * len(balance), **kwargs)  # type: ignore[arg-type]
+
+
+# --- arguments -------------------------------------------------------------------------------------
+
+
+def test_non_sequential_module_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        GPipe(nn.Linear(1, 1), [1])  # type: ignore[arg-type]
+
+
+def test_duplicate_children_are_rejected() -> None:
+    layer = nn.Linear(1, 1)
+    with pytest.raises(ValueError, match="duplicate children"):
+        GPipe(nn.Sequential(layer, layer), [1, 1], devices=["cpu", "cpu"])
+
+
+def test_shared_parameters_are_rejected() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match="duplicate parameters"):
+        GPipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])
+
+
+def test_missing_balance_points_at_torchpipe_balancing() -> None:
+    with pytest.raises(ValueError, match="torchpipe_balancing") as info:
+        GPipe(mlp(1), devices=["cpu"])
+    assert not isinstance(info.value, BalanceError)
+
+
+@pytest.mark.parametrize("balance", [[1], [1, 1, 1], [2, 0], [3, -1], [1.0, 1]])
+def test_bad_balance_is_a_balance_error(balance: list) -> None:
+    with pytest.raises(BalanceError) as info:
+        GPipe(mlp(1), balance, devices=["cpu"] * 3)
+    assert isinstance(info.value, ValueError)
+    assert str(balance[0]) in str(info.value)
+
+
+def test_balance_error_message_names_the_sum_and_the_layers() -> None:
+    with pytest.raises(BalanceError, match="module has 4 layers but balance sums to 3"):
+        GPipe(mlp(2), [1, 2], devices=["cpu", "cpu"])
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, "2"])
+def test_bad_chunks(chunks: object) -> None:
+    with pytest.raises(ValueError, match="chunks"):
+        GPipe(mlp(1), [2], devices=["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+def test_bad_checkpoint() -> None:
+    with pytest.raises(ValueError, match="checkpoint"):
+        GPipe(mlp(1), [2], devices=["cpu"], checkpoint="sometimes")
+
+
+def test_too_few_devices_is_an_index_error() -> None:
+    with pytest.raises(IndexError, match="devices"):
+        GPipe(mlp(2), [2, 2], devices=["cpu"])
+
+
+def test_extra_devices_are_ignored_and_devices_are_normalised() -> None:
+    model = GPipe(mlp(2), [2, 2], devices=["cpu", torch.device("cpu"), "cpu"])
+    assert model.devices == [torch.device("cpu"), torch.device("cpu")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="default devices without CUDA")
+def test_default_devices_without_cuda_are_cpu() -> None:
+    model = GPipe(mlp(2), [1, 3])
+    assert model.devices == [torch.device("cpu")] * 2
+
+
+def test_attributes() -> None:
+    model = cpu_gpipe(mlp(3), [2, 4], chunks=3, checkpoint="always")
+    assert model.balance == [2, 4]
+    assert model.chunks == 3
+    assert model.checkpoint == "always"
+    assert isinstance(model.partitions, nn.ModuleList)
+    assert [len(p) for p in model.partitions] == [2, 4]
+    assert all(isinstance(p, nn.Sequential) for p in model.partitions)
+
+
+# --- container protocol ----------------------------------------------------------------------------
+
+
+def test_container_protocol_over_the_original_layers() -> None:
+    layers = [nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh()]
+    model = cpu_gpipe(nn.Sequential(*layers), [1, 3])
+    assert len(model) == 4
+    assert list(model) == layers
+    assert [model[i] for i in range(4)] == layers
+    assert model[-1] is layers[-1] and model[-4] is layers[0]
+    with pytest.raises(IndexError):
+        model[4]
+    with pytest.raises(IndexError):
+        model[-5]
+
+
+def test_layer_names_are_kept() -> None:
+    module = nn.Sequential(OrderedDict([("encoder", nn.Linear(2, 2)), ("act", nn.ReLU()), ("head", nn.Linear(2, 1))]))
+    model = cpu_gpipe(module, [2, 1])
+    assert model.partitions[0].encoder is module.encoder
+    assert model.partitions[1].head is module.head
+
+
+# --- moving is denied ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "move",
+    [
+        lambda m: m.cuda(),
+        lambda m: m.cpu(),
+        lambda m: m.to("cpu"),
+        lambda m: m.to(torch.device("cpu")),
+        lambda m: m.to(0),
+        lambda m: m.to(torch.zeros(1)),
+        lambda m: m.to("cpu", torch.float64),
+        lambda m: m.to(device="cpu"),
+    ],
+)
+def test_moving_is_denied(move: object) -> None:
+    model = cpu_gpipe(mlp(1), [2])
+    with pytest.raises(TypeError, match="denied to move"):
+        move(model)  # type: ignore[operator]
+
+
+def test_to_dtype_is_allowed() -> None:
+    model = cpu_gpipe(mlp(1), [2])
+    assert model.to(torch.float64) is model
+    assert model.to(dtype=torch.float16) is model
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+
+
+# --- inputs and outputs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [[torch.zeros(2, 2)], (), (torch.zeros(2, 2), 1), "x", None, {"x": torch.zeros(1)}])
+def test_bad_input_is_a_type_error(bad: object) -> None:
+    model = cpu_gpipe(mlp(1, 2), [2])
+    with pytest.raises(TypeError, match="Tensor"):
+        model(bad)  # type: ignore[arg-type]
+
+
+def test_bad_layer_output_is_a_type_error_naming_the_partition() -> None:
+    class ReturnsDict(nn.Module):
+        def forward(self, x: Tensor) -> dict:
+            return {"x": x}
+
+    model = cpu_gpipe(nn.Sequential(nn.Linear(2, 2), ReturnsDict(), nn.Identity()), [2, 1])
+    with pytest.raises(TypeError, match="partition 0"):
+        model(torch.zeros(2, 2))
+    model.partitions[0][1].forward = lambda x: x  # type: ignore[method-assign]
+    assert model(torch.zeros(2, 2)).shape == (2, 2)
+
+
+def test_batch_smaller_than_chunks_and_uneven_batches() -> None:
+    model = cpu_gpipe(mlp(2, 3), [2, 2], chunks=4)
+    for batch in (1, 2, 3, 5, 7):
+        assert model(torch.randn(batch, 3)).shape == (batch, 3)
+
+
+def test_counts_of_microbatches_follow_torch_chunk() -> None:
+    seen = []
+
+    class Record(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(x.size(0))
+            return x
+
+    model = cpu_gpipe(nn.Sequential(Record(), nn.Identity()), [1, 1], chunks=4)
+    with torch.no_grad():
+        model(torch.zeros(6, 1))
+    assert sorted(seen) == sorted(len(c) for c in torch.zeros(6).chunk(4))
+
+
+def test_output_structure_and_device() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: Tensor) -> tuple:
+            return x, x + 1
+
+    model = cpu_gpipe(nn.Sequential(nn.Linear(2, 2), Pair()), [1, 1], chunks=2)
+    out = model(torch.zeros(4, 2))
+    assert isinstance(out, tuple) and len(out) == 2
+    assert all(o.device == model.devices[-1] for o in out)
+
+
+def test_one_layer_tuple_input() -> None:
+    class Add(nn.Module):
+        def forward(self, xy: tuple) -> Tensor:
+            return xy[0] + xy[1]
+
+    model = cpu_gpipe(nn.Sequential(Add()), [1], chunks=2)
+    x, y = torch.randn(4, 2, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    model((x, y)).sum().backward()
+    assert torch.equal(x.grad, torch.ones(4, 2)) and torch.equal(y.grad, torch.ones(4, 2))
+
+
+# --- grad modes ------------------------------------------------------------------------------------
+
+
+def test_no_grad_runs_without_checkpointing_or_graph() -> None:
+    flags = []
+
+    class Flags(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            flags.append((torchpipe.is_checkpointing(), torchpipe.is_recomputing(), torch.is_grad_enabled()))
+            return x
+
+    model = cpu_gpipe(nn.Sequential(nn.Linear(2, 2), Flags()), [1, 1], chunks=3, checkpoint="always")
+    with torch.no_grad():
+        out = model(torch.randn(6, 2))
+    assert not out.requires_grad
+    assert flags == [(False, False, False)] * 3
+
+
+def test_eval_mode_gives_the_plain_output_and_does_not_checkpoint() -> None:
+    flags = []
+
+    class Flags(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            flags.append(torchpipe.is_checkpointing())
+            return x
+
+    module = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), Flags(), nn.Linear(3, 1))
+    model = cpu_gpipe(module, [2, 2], chunks=2, checkpoint="always").eval()
+    x = torch.randn(4, 3)
+    out = model(x)
+    assert flags == [False, False]
+    assert torch.allclose(out, nn.Sequential(*module).eval()(x))
+
+
+def test_backward_twice_is_a_clear_error() -> None:
+    model = cpu_gpipe(mlp(2, 2), [2, 2], chunks=2)
+    out = model(torch.randn(4, 2)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        out.backward()
+
+
+# --- exceptions and threads ------------------------------------------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+class Raiser(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.in_backward = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed and not self.in_backward:
+            raise Boom("layer exploded on purpose")
+        if self.armed and self.in_backward:
+            return _RaiseInBackward.apply(x)
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:
+        raise Boom("backward exploded on purpose")
+
+
+@pytest.mark.parametrize("position", [0, 2, 4])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_exception_in_forward_reaches_the_caller_and_the_next_call_works(position: int, checkpoint: str) -> None:
+    layers = [nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3)]
+    raiser = Raiser()
+    layers.insert(position, raiser)
+    model = cpu_gpipe(nn.Sequential(*layers), [2, 2, 2], chunks=4, checkpoint=checkpoint)
+    raiser.armed = True
+    with pytest.raises(Boom, match="exploded on purpose"):
+        model(torch.randn(8, 3))
+    raiser.armed = False
+    model(torch.randn(8, 3)).sum().backward()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_exception_in_backward_reaches_the_caller_and_the_next_call_works(checkpoint: str) -> None:
+    raiser = Raiser()
+    model = cpu_gpipe(nn.Sequential(nn.Linear(3, 3), raiser, nn.Linear(3, 3), nn.ReLU()), [2, 2], chunks=3,
+                      checkpoint=checkpoint)
+    raiser.armed, raiser.in_backward = True, True
+    out = model(torch.randn(6, 3))
+    with pytest.raises(Boom, match="backward exploded"):
+        out.sum().backward()
+    raiser.armed = False
+    model(torch.randn(6, 3)).sum().backward()
+
+
+def test_repeated_steps_leak_no_threads() -> None:
+    model = cpu_gpipe(mlp(3, 4), [2, 2, 2], chunks=4)
+    model(torch.randn(8, 4)).sum().backward()
+    before = threading.active_count()
+    for _ in range(20):
+        model(torch.randn(8, 4)).sum().backward()
+        with torch.no_grad():
+            model(torch.randn(8, 4))
+    assert threading.active_count() == before
+
+
+def test_workers_stop_when_the_gpipe_is_collected() -> None:
+    model = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
+    model(torch.randn(4, 4)).sum().backward()
+    threads = [w.thread for w in model._pipeline.workers().workers]
+    assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_repeated_steps_release_memory() -> None:
+    # Every tensor a step creates is released: the number of live tensors is stable.
+    model = cpu_gpipe(mlp(3, 4), [2, 2, 2], chunks=4, checkpoint="except_last")
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) in (Tensor, nn.Parameter))
+
+    model(torch.randn(8, 4)).sum().backward()
+    before = live_tensors()
+    for _ in range(10):
+        model(torch.randn(8, 4)).sum().backward()
+    assert live_tensors() == before
+
+
+def test_deepcopy_gives_an_independent_working_copy() -> None:
+    import copy
+
+    model = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
+    clone = copy.deepcopy(model)
+    x = torch.randn(4, 4)
+    assert torch.allclose(model(x), clone(x))
+    assert clone.partitions[0][0].weight is not model.partitions[0][0].weight
+
+
+def test_state_dict_round_trip() -> None:
+    model = cpu_gpipe(mlp(2, 4), [2, 2])
+    other = cpu_gpipe(mlp(2, 4), [2, 2])
+    other.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    assert torch.allclose(model(x), other(x))
