@@ -9,6 +9,7 @@ from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from torchpipe.partition import resolve_devices, split_module, verify_balance, verify_module
 from torchpipe.runner import Pipeline, PipelineFunction, Step
+from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.types import Device, TensorOrTensors
 
 __all__ = ["GPipe"]
@@ -82,7 +83,7 @@ class GPipe(nn.Module):
         verify_module(module)
         balance = verify_balance(module, balance)
         resolved = resolve_devices(devices, len(balance))
-        _verify_skippables(module)
+        verify_skippables(module)
         if deferred_batch_norm:
             module = cast(nn.Sequential, DeferredBatchNorm.convert(module))
 
@@ -93,7 +94,7 @@ class GPipe(nn.Module):
         self.deferred_batch_norm = deferred_batch_norm
         self.partitions, self._offsets = split_module(module, balance, resolved)
         self._pipeline = Pipeline(self, list(self.partitions), resolved)
-        self._pipeline.skip_layout = _skip_layout(self.partitions)
+        self._pipeline.skip_layout = inspect_skip_layout([cast(nn.Sequential, p) for p in self.partitions])
 
     # --- container protocol over the original layers ---------------------------------------------
 
@@ -174,10 +175,3 @@ class GPipe(nn.Module):
         return f"balance={self.balance}, devices={[str(d) for d in self.devices]}, chunks={self.chunks}, " \
             f"checkpoint={self.checkpoint!r}"
 
-
-def _verify_skippables(module: nn.Sequential) -> None:
-    """Checks the skip connections of ``module`` (see :mod:`torchpipe.skip`)."""
-
-
-def _skip_layout(partitions: nn.ModuleList) -> Any:
-    return None

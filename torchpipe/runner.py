@@ -39,6 +39,9 @@ from torchpipe.checkpoint import RNGGuard, RNGState
 from torchpipe.context import MicroBatch, task_context
 from torchpipe.microbatch import Batch
 from torchpipe.schedule import Action, Kind, Schedule, clock_cycles, fill_drain, phase
+from torchpipe.skip.layout import SkipLayout
+from torchpipe.skip.namespace import Namespace
+from torchpipe.skip.registry import SkipRegistry
 from torchpipe.stream import (
     CPU_EVENT,
     AbstractEvent,
@@ -165,6 +168,7 @@ class Step:
         self.input_grads: List[Optional[List[Optional[Tensor]]]] = [None] * self.microbatches
         self.streams: List[AbstractStream] = [current_stream(d) for d in pipeline.devices]
         self.backward_done = False
+        self.skips = SkipRegistry()
         self.output_atomic = True
 
 
@@ -179,7 +183,7 @@ class Pipeline:
         self._workers: Optional[WorkerGroup] = None
         self._copy_streams: Optional[List[AbstractStream]] = None
         self._lock = threading.Lock()
-        self.skip_layout: Any = None
+        self.skip_layout: SkipLayout = SkipLayout({}, len(self.partitions))
 
     def __getstate__(self) -> Dict[str, Any]:
         # Copies (deepcopy, pickle) get their own workers, streams and locks.
@@ -295,12 +299,16 @@ class Pipeline:
             else:
                 self._backward(step, action.microbatch, j)
 
-    def _receive(self, step: Step, key: Tuple[str, int, int], j: int) -> Message:
+    def _receive(self, step: Step, key: Hashable, j: int) -> Message:
         message: Message = step.mailbox.take(key)
         tensors = transfer.receive(message.tensors, message.event, step.streams[j])
         return message._replace(tensors=tensors)
 
-    def _send(self, step: Step, kind: str, i: int, j: int, target: int, batch: Message) -> None:
+    def _send(
+        self, step: Step, kind: str, key: Hashable, i: int, j: int, target: int, batch: Message,
+        name: Optional[str] = None,
+    ) -> None:
+        """Hands ``batch`` from partition ``j`` to partition ``target``, which takes it by ``key``."""
         tensors, event = transfer.send(
             batch.tensors,
             self.devices[target],
@@ -308,9 +316,8 @@ class Pipeline:
             source_copy_stream=self.copy_streams()[j],
             target_copy_stream=self.copy_streams()[target],
         )
-        transfer.log_transfer(kind, j, target, i, tensors, self.devices[target])
-        mailbox_kind = "act" if kind == "activation" else "grad"
-        step.mailbox.put((mailbox_kind, i, target), batch._replace(tensors=tensors, event=event))
+        transfer.log_transfer(kind, j, target, i, tensors, self.devices[target], name)
+        step.mailbox.put(key, batch._replace(tensors=tensors, event=event))
 
     def _forward(self, step: Step, i: int, j: int) -> None:
         if j == 0:
@@ -330,11 +337,12 @@ class Pipeline:
         with self.rng.first_forward(
             j, self.devices[j], step.training, step.checkpoint_stop > 0, save=checkpointed
         ) as rng_state:
+            skips = self._tracker(step, i, j, checkpointing=checkpointed, recomputing=False)
             if checkpointed:
-                with torch.no_grad(), task_context(key, checkpointing=True):
+                with torch.no_grad(), task_context(key, checkpointing=True, skips=skips):
                     output = partition(Batch.of(leaves, atomic).value)
             else:
-                with task_context(key):
+                with task_context(key, skips=skips):
                     output = partition(Batch.of(_alias(leaves), atomic).value)
         out = self._as_batch(output, j)
         if step.grad_enabled:
@@ -353,7 +361,8 @@ class Pipeline:
         leaves, rng_state = step.leaves[(i, j)]
         assert rng_state is not None, f"{j}R{i} has no saved RNG state"
         with self.rng.recompute(j, self.devices[j], step.training, rng_state):
-            with torch.enable_grad(), task_context(step.keys[i], recomputing=True):
+            skips = self._tracker(step, i, j, checkpointing=False, recomputing=True)
+            with torch.enable_grad(), task_context(step.keys[i], recomputing=True, skips=skips):
                 output = self.partitions[j](Batch.of(_alias(leaves.values), leaves.atomic).value)
         step.outputs[(i, j)] = self._as_batch(output, j)
 
@@ -366,17 +375,43 @@ class Pipeline:
             if grad is not None and tensor.requires_grad:
                 roots.append(tensor)
                 grads.append(grad)
+        layout = self.skip_layout
+        if layout:
+            # [Note: skips] The tensors this partition stashed for later partitions join its backward,
+            # with the gradients their popping partitions (whose backward already ran) sent back.
+            for ns, name in layout.stashes_for_later[j]:
+                skip_grad = self._receive(step, ("skip-grad", i, ns, name), j).tensors[0]
+                stashed = step.skips.stashed.pop((i, ns, name), None)
+                if stashed is not None and skip_grad is not None and stashed.requires_grad:
+                    roots.append(stashed)
+                    grads.append(skip_grad)
         if roots:
             # retain_graph: a tensor stashed by hand under current_microbatch() may join this
             # graph to an earlier partition's, whose own backward then runs through it again.
             torch.autograd.backward(roots, grads, retain_graph=True)
         del roots, grads, out
+        if layout:
+            for ns, name in layout.pops_from_before[j]:
+                leaf = step.skips.popped.pop((i, ns, name), None)
+                skip_grad = leaf.grad if leaf is not None and leaf.requires_grad else None
+                target = layout.route(ns, name).stash
+                self._send(
+                    step, "skip-gradient", ("skip-grad", i, ns, name), i, j, target,
+                    Message([skip_grad], CPU_EVENT, (), True), name,
+                )
         input_grads: List[Optional[Tensor]] = [leaf.grad if leaf.requires_grad else None for leaf in leaves.values]
         if j > 0:
-            self._send(step, "gradient", i, j, j - 1, Message(input_grads, message.event, (), False))
+            self._send(step, "gradient", ("grad", i, j - 1), i, j, j - 1, Message(input_grads, CPU_EVENT, (), False))
         else:
             step.input_grads[i] = input_grads
             step.keys[i] = None  # the micro-batch's backward is over: release its identity
+
+    def _tracker(
+        self, step: Step, i: int, j: int, *, checkpointing: bool, recomputing: bool
+    ) -> Optional["SkipTracker"]:
+        if not self.skip_layout:
+            return None
+        return SkipTracker(self, step, i, j, checkpointing=checkpointing, recomputing=recomputing)
 
     def _as_batch(self, output: Any, j: int) -> Batch:
         if isinstance(output, Tensor):
@@ -393,7 +428,8 @@ class Pipeline:
     def _pass_on(self, step: Step, i: int, j: int, out: Batch, flags: Tuple[bool, ...]) -> None:
         detached: List[Optional[Tensor]] = [t.detach() for t in out.values]
         if j + 1 < len(self.partitions):
-            self._send(step, "activation", i, j, j + 1, Message(detached, CPU_EVENT, flags, out.atomic))
+            message = Message(detached, CPU_EVENT, flags, out.atomic)
+            self._send(step, "activation", ("act", i, j + 1), i, j, j + 1, message)
         else:
             device = self.devices[-1]
             values = [transfer.move(t, device) for t in detached if t is not None]
@@ -401,6 +437,68 @@ class Pipeline:
 
 
 _LABELS = {Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward"}
+
+
+class SkipTracker:
+    """Serves the stash and pop requests of skippable layers in one (micro-batch, partition) task.
+
+    [Note: skips] A skip whose two ends are in the same partition stays in the
+    registry's ``local`` table. Otherwise the stashed tensor crosses from the
+    stashing partition a straight to the popping partition b, where it becomes
+    a leaf (like a partition input); after b's backward the leaf's grad goes
+    back to a, whose backward includes the stashed tensor with that grad.
+    A recomputation of a re-stashes (the registry keeps the new tensor, with
+    its graph; nothing is sent again); a recomputation of b pops the same leaf.
+    """
+
+    def __init__(
+        self, pipeline: "Pipeline", step: Step, i: int, j: int, *, checkpointing: bool, recomputing: bool
+    ) -> None:
+        self.pipeline = pipeline
+        self.step = step
+        self.i = i
+        self.j = j
+        self.checkpointing = checkpointing
+        self.recomputing = recomputing
+
+    def save(self, layer: Any, ns: Namespace, name: str, tensor: Tensor) -> None:
+        pipeline, step, i, j = self.pipeline, self.step, self.i, self.j
+        route = pipeline.skip_layout.route(ns, name)
+        key = (i, ns, name)
+        if route.pop == j:
+            step.skips.local[key] = tensor
+            return
+        if step.grad_enabled:
+            step.skips.stashed[key] = tensor
+        if self.recomputing:
+            return
+        needs_grad = _is_differentiable(tensor) if self.checkpointing else tensor.requires_grad
+        message = Message([tensor.detach()], CPU_EVENT, (needs_grad,), True)
+        pipeline._send(step, "skip", ("skip", i, ns, name), i, j, route.pop, message, name)
+
+    def load(self, layer: Any, ns: Namespace, name: str) -> Tensor:
+        pipeline, step, i, j = self.pipeline, self.step, self.i, self.j
+        route = pipeline.skip_layout.route(ns, name)
+        key = (i, ns, name)
+        if route.stash == j:
+            try:
+                return step.skips.local.pop(key)
+            except KeyError:
+                raise RuntimeError(
+                    f"{type(layer).__name__} popped {name!r} ({ns}) before any layer stashed it"
+                ) from None
+        if self.recomputing:
+            leaf = step.skips.popped[key]
+        else:
+            message = pipeline._receive(step, ("skip", i, ns, name), j)
+            tensor = message.tensors[0]
+            assert tensor is not None
+            (leaf,) = _make_leaves([tensor], [message.requires_grad[0] and step.grad_enabled])
+            if step.grad_enabled:
+                step.skips.popped[key] = leaf
+        if torch.is_grad_enabled() and leaf.requires_grad:
+            return _alias((leaf,))[0]
+        return leaf
 
 
 def _split_grads(

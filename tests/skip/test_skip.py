@@ -1,0 +1,370 @@
+"""torchpipe.skip: stash/pop in plain Sequentials and across GPipe partitions, namespaces, verification."""
+import copy
+import gc
+import weakref
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import torchpipe
+from torchpipe import GPipe
+from torchpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from torchpipe.transfer import record_transfers
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        y = self.linear(x)
+        yield stash("skip", y)
+        return y.tanh()
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return self.linear(x) * skip
+
+
+def reference(model: nn.Sequential) -> nn.Sequential:
+    """The same model, run plainly (skippable layers work in a plain Sequential)."""
+    return copy.deepcopy(model)
+
+
+def assert_transparent(model: nn.Sequential, balance: List[int], chunks: int, checkpoint: str, batch: int = 6) -> None:
+    plain = reference(model)
+    piped = GPipe(model, balance, devices=["cpu"] * len(balance), chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(batch, 4)
+    x_plain, x_piped = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, actual = plain(x_plain), piped(x_piped)
+    assert torch.allclose(actual, expected, atol=1e-6)
+    expected.pow(2).sum().backward()
+    actual.pow(2).sum().backward()
+    assert torch.allclose(x_piped.grad, x_plain.grad, atol=1e-5)
+    for (name, p), q in zip(plain.named_parameters(), piped.parameters()):
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.allclose(q.grad, p.grad, atol=1e-5), name
+
+
+def test_skippable_layers_work_in_a_plain_sequential() -> None:
+    stash_layer, pop_layer = Stash(), Pop()
+    model = nn.Sequential(stash_layer, nn.Linear(4, 4), pop_layer)
+    x = torch.randn(3, 4)
+    y = stash_layer.linear(x)
+    expected = pop_layer.linear(model[1](y.tanh())) * y
+    assert torch.allclose(model(x), expected)
+
+
+def test_skippable_class_keeps_its_name_and_is_a_module() -> None:
+    layer = Stash()
+    assert type(layer).__name__ == "Stash"
+    assert isinstance(layer, nn.Module)
+    assert type(layer).stashable_names == frozenset({"skip"})
+
+
+@given(
+    before=st.integers(0, 2),
+    between=st.integers(0, 4),
+    after=st.integers(0, 2),
+    chunks=st.integers(1, 4),
+    checkpoint=st.sampled_from(["always", "except_last", "never"]),
+    data=st.data(),
+)
+def test_long_skips_are_transparent(
+    before: int, between: int, after: int, chunks: int, checkpoint: str, data: st.DataObject
+) -> None:
+    layers: List[nn.Module] = [nn.Linear(4, 4) for _ in range(before)]
+    layers += [Stash()] + [nn.Linear(4, 4) for _ in range(between)] + [Pop()]
+    layers += [nn.Linear(4, 4) for _ in range(after)]
+    n = len(layers)
+    partitions = data.draw(st.integers(1, min(4, n)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=partitions - 1, max_size=partitions - 1)))
+    edges = [0, *cuts, n]
+    balance = [b - a for a, b in zip(edges, edges[1:])]
+    assert_transparent(nn.Sequential(*layers), balance, chunks, checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("balance", [[1, 1, 1, 1, 1], [2, 3], [1, 4], [4, 1], [5]])
+def test_skip_over_partitions(checkpoint: str, balance: List[int]) -> None:
+    model = nn.Sequential(Stash(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), Pop())
+    assert_transparent(model, balance, chunks=3, checkpoint=checkpoint)
+
+
+def test_skip_tensor_moves_only_between_the_stash_and_pop_partitions() -> None:
+    model = nn.Sequential(Stash(), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
+    piped = GPipe(model, [1, 1, 2, 1], devices=["cpu"] * 4, chunks=2)
+    with record_transfers() as log:
+        piped(torch.randn(4, 4, requires_grad=True)).sum().backward()
+    skips = [r for r in log if r.kind == "skip"]
+    skip_grads = [r for r in log if r.kind == "skip-gradient"]
+    assert sorted((r.source, r.target, r.microbatch, r.name) for r in skips) == [(0, 3, 0, "skip"), (0, 3, 1, "skip")]
+    assert sorted((r.source, r.target, r.microbatch) for r in skip_grads) == [(3, 0, 0), (3, 0, 1)]
+    # The main path carries one (2, 4) float32 tensor per hand-over: never the skip too.
+    main = [r for r in log if r.kind in ("activation", "gradient")]
+    assert main and all(r.nbytes == 2 * 4 * 4 for r in main)
+    assert all(abs(r.source - r.target) == 1 for r in main)
+
+
+def test_skip_within_one_partition_is_not_handed_over() -> None:
+    model = nn.Sequential(Stash(), nn.Linear(4, 4), Pop(), nn.Linear(4, 4))
+    piped = GPipe(model, [3, 1], devices=["cpu"] * 2, chunks=2)
+    with record_transfers() as log:
+        piped(torch.randn(4, 4)).sum().backward()
+    assert not [r for r in log if r.kind.startswith("skip")]
+    assert_transparent(nn.Sequential(Stash(), nn.Linear(4, 4), Pop(), nn.Linear(4, 4)), [3, 1], 2, "always")
+
+
+# --- namespaces ----------------------------------------------------------------------------------
+
+
+def test_the_same_classes_twice_with_namespaces() -> None:
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(
+        Stash().isolate(ns1), nn.Linear(4, 4), Pop().isolate(ns1), Stash().isolate(ns2), nn.Linear(4, 4),
+        Pop().isolate(ns2),
+    )
+    verify_skippables(model)
+    for checkpoint in ("always", "never"):
+        assert_transparent(copy.deepcopy(model), [2, 2, 2], chunks=2, checkpoint=checkpoint)
+
+
+def test_nested_namespaces_cross_each_other() -> None:
+    # Two skips whose spans overlap: stash a, stash b, pop a, pop b.
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(Stash().isolate(ns1), Stash().isolate(ns2), Pop().isolate(ns1), Pop().isolate(ns2))
+    assert_transparent(model, [1, 1, 1, 1], chunks=3, checkpoint="except_last")
+
+
+def test_missing_isolate_is_reported() -> None:
+    model = nn.Sequential(Stash(), Pop(), Stash(), Pop())
+    with pytest.raises(TypeError, match="stashed twice") as info:
+        verify_skippables(model)
+    assert "isolate" in str(info.value)
+    assert "popped twice" in str(info.value)
+
+
+def test_isolate_only_some_names() -> None:
+    @skippable(stash=["a", "b"])
+    class StashTwo(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("a", x)
+            yield stash("b", x * 2)
+            return x
+
+    @skippable(pop=["a", "b"])
+    class PopTwo(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            a = yield pop("a")
+            b = yield pop("b")
+            return x + a + b
+
+    ns = Namespace()
+    model = nn.Sequential(StashTwo().isolate(ns, only=["a"]), PopTwo().isolate(ns, only=["a"]))
+    verify_skippables(model)
+    assert torch.allclose(model(torch.ones(2, 1)), torch.full((2, 1), 4.0))
+    with pytest.raises(ValueError, match="no skip names"):
+        StashTwo().isolate(ns, only=["c"])
+
+
+# --- verification --------------------------------------------------------------------------------
+
+
+def test_verify_skippables_lists_every_problem_at_once() -> None:
+    @skippable(stash=["lonely"])
+    class StashLonely(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("lonely", x)
+            return x
+
+    @skippable(pop=["ghost"])
+    class PopGhost(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            ghost = yield pop("ghost")
+            return x + ghost
+
+    model = nn.Sequential(StashLonely(), PopGhost(), nn.Identity())
+    with pytest.raises(TypeError) as info:
+        verify_skippables(model)
+    message = str(info.value)
+    assert "2 problems" in message
+    assert "'lonely'" in message and "no later layer pops" in message and "layer 0" in message
+    assert "'ghost'" in message and "no earlier layer stashes" in message and "layer 1" in message
+    with pytest.raises(TypeError, match="2 problems"):
+        GPipe(model, [1, 2], devices=["cpu", "cpu"])
+
+
+def test_pop_before_stash_is_reported() -> None:
+    with pytest.raises(TypeError, match="no earlier layer stashes"):
+        verify_skippables(nn.Sequential(Pop(), Stash()))
+
+
+def test_undeclared_names_and_bad_yields_are_clear_errors() -> None:
+    @skippable(stash=["a"])
+    class Wrong(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("b", x)
+            return x
+
+    @skippable()
+    class Weird(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield 42
+            return x
+
+    with pytest.raises(RuntimeError, match="does not declare"):
+        Wrong()(torch.zeros(1))
+    with pytest.raises(TypeError, match="yields only"):
+        Weird()(torch.zeros(1))
+    with pytest.raises(TypeError, match="takes a Tensor"):
+        stash("a", 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="list of names"):
+        skippable(stash="skip")  # type: ignore[arg-type]
+
+
+# --- U-Net ---------------------------------------------------------------------------------------
+
+
+def unet(depth: int = 3, width: int = 4) -> nn.Sequential:
+    """Encoders stash, decoders pop in reverse: several nested long skips."""
+    @skippable(stash=["skip"])
+    class Down(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x)
+            return torch.relu(self.linear(x))
+
+    @skippable(pop=["skip"])
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2 * width, width)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            return torch.relu(self.linear(torch.cat([x, skip], dim=1)))
+
+    namespaces = [Namespace() for _ in range(depth)]
+    layers: List[nn.Module] = [Down().isolate(ns) for ns in namespaces]
+    layers.append(nn.Linear(width, width))
+    layers += [Up().isolate(ns) for ns in reversed(namespaces)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("balance", [[1, 1, 1, 1, 1, 1, 1], [2, 3, 2], [3, 1, 3], [7]])
+def test_unet_is_transparent(checkpoint: str, balance: List[int]) -> None:
+    assert_transparent(unet(), balance, chunks=3, checkpoint=checkpoint, batch=7)
+
+
+# --- no leak -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_nothing_stays_in_flight_after_backward(checkpoint: str) -> None:
+    refs: List[weakref.ref] = []
+
+    @skippable(stash=["skip"])
+    class Recording(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            y = x * 2
+            refs.append(weakref.ref(y))
+            yield stash("skip", y)
+            return x
+
+    model = nn.Sequential(Recording(), nn.Linear(4, 4), nn.Linear(4, 4), Pop())
+    piped = GPipe(model, [1, 2, 1], devices=["cpu"] * 3, chunks=3, checkpoint=checkpoint)
+    for _ in range(5):
+        piped(torch.randn(6, 4, requires_grad=True)).sum().backward()
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+
+
+def test_no_grad_forward_leaves_nothing_in_flight() -> None:
+    refs: List[weakref.ref] = []
+
+    @skippable(stash=["skip"])
+    class Recording(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            refs.append(weakref.ref(x))
+            yield stash("skip", x)
+            return x
+
+    piped = GPipe(nn.Sequential(Recording(), nn.Linear(4, 4), Pop()), [1, 1, 1], devices=["cpu"] * 3, chunks=2)
+    with torch.no_grad():
+        piped(torch.randn(4, 4))
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+
+
+# --- current_microbatch(), the seed's way --------------------------------------------------------
+
+
+def seed_model(position: int) -> nn.Sequential:
+    """The user guide's example: layer ``position`` remembers its input per micro-batch, the last adds it."""
+    skips: Dict[object, Tensor] = {}
+
+    class Remember(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            skips[torchpipe.current_microbatch()] = x
+            return x
+
+    class Recall(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            skip = skips.pop(torchpipe.current_microbatch())
+            return x + skip.to(x.device)
+
+    layers: List[nn.Module] = [nn.Linear(4, 4) for _ in range(6)]
+    layers.insert(position, Remember())
+    layers.append(Recall())
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("position", [0, 1, 3])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_seed_current_microbatch_example_with_checkpoint_never(position: int, chunks: int) -> None:
+    assert_transparent(seed_model(position), [2, 2, 2, 2], chunks=chunks, checkpoint="never", batch=8)
+
+
+def test_current_microbatch_identity() -> None:
+    seen: Dict[str, List[Optional[object]]] = {"first": [], "last": [], "recompute": []}
+
+    class Look(nn.Module):
+        def __init__(self, where: str) -> None:
+            super().__init__()
+            self.where = where
+
+        def forward(self, x: Tensor) -> Tensor:
+            where = "recompute" if torchpipe.is_recomputing() else self.where
+            seen[where].append(torchpipe.current_microbatch())
+            return x
+
+    model = nn.Sequential(Look("first"), nn.Linear(2, 2), Look("last"))
+    piped = GPipe(model, [1, 2], devices=["cpu", "cpu"], chunks=3, checkpoint="always")
+    assert torchpipe.current_microbatch() is None
+    out = piped(torch.randn(6, 2, requires_grad=True))
+    keys = weakref.WeakKeyDictionary({k: True for k in seen["first"]})
+    assert len(keys) == 3
+    assert seen["first"] == seen["last"]
+    hash(seen["first"][0])
+    out.sum().backward()
+    assert sorted(map(id, seen["recompute"])) == sorted(map(id, seen["first"] * 2))
+    seen.clear()
+    gc.collect()
+    assert len(keys) == 0

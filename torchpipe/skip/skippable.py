@@ -1,0 +1,181 @@
+"""``@skippable``, ``stash`` and ``pop``: layers that hand tensors to distant layers.
+
+A skippable layer's ``forward`` is a generator. ``yield stash('name', tensor)``
+hands ``tensor`` to a later layer; ``tensor = yield pop('name')`` takes it.
+Where the tensor goes is the business of the *tracker* of the running task:
+inside GPipe the runner's tracker for this (micro-batch, partition) moves it
+straight to the popping partition; outside GPipe a per-thread tracker keeps it
+until the pop, so skippable layers also run in a plain ``nn.Sequential``.
+"""
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    FrozenSet,
+    Generator,
+    Iterable,
+    List,
+    Optional,
+    Tuple,
+    Type,
+    TypeVar,
+    Union,
+    cast,
+)
+
+from torch import Tensor, nn
+
+from torchpipe.context import current
+from torchpipe.skip.namespace import DEFAULT, Namespace
+from torchpipe.skip.registry import PlainTracker, Tracker
+
+__all__ = ["skippable", "stash", "pop", "Skippable", "is_skippable"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class stash:
+    """``yield stash(name, tensor)`` in a skippable forward hands ``tensor`` to the layer that pops ``name``."""
+
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str, tensor: Tensor) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"stash({name!r}, ...) takes a Tensor, got {type(tensor).__name__}")
+        self.name = name
+        self.tensor = tensor
+
+
+class pop:
+    """``tensor = yield pop(name)`` in a skippable forward takes the tensor stashed as ``name``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Skippable(nn.Module):
+    """The base that :func:`skippable` adds to a decorated class (for ``isinstance`` checks)."""
+
+    stashable_names: ClassVar[FrozenSet[str]] = frozenset()
+    poppable_names: ClassVar[FrozenSet[str]] = frozenset()
+    _skip_namespaces: Dict[str, Namespace]
+
+    def isolate(self: "S", ns: Namespace, *, only: Optional[Iterable[str]] = None) -> "S":
+        """Puts this layer's skip names (or only those in ``only``) in namespace ``ns``; returns the layer."""
+        names = self.stashable_names | self.poppable_names
+        chosen = set(names if only is None else only)
+        unknown = chosen - names
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} has no skip names {sorted(unknown)} (it stashes "
+                f"{sorted(self.stashable_names)} and pops {sorted(self.poppable_names)})"
+            )
+        namespaces = dict(self.__dict__.get("_skip_namespaces", {}))
+        for name in chosen:
+            namespaces[name] = ns
+        self.__dict__["_skip_namespaces"] = namespaces
+        return self
+
+    def namespaced(self, name: str) -> Tuple[Namespace, str]:
+        """The ``(namespace, name)`` key of one of this layer's skip names."""
+        return self.__dict__.get("_skip_namespaces", {}).get(name, DEFAULT), name
+
+    def stashed(self) -> List[Tuple[Namespace, str]]:
+        return [self.namespaced(n) for n in sorted(self.stashable_names)]
+
+    def popped(self) -> List[Tuple[Namespace, str]]:
+        return [self.namespaced(n) for n in sorted(self.poppable_names)]
+
+    def _drive(self, result: Any) -> Any:
+        """Runs a generator forward, serving its stash and pop requests; returns its return value."""
+        if not isinstance(result, Generator):
+            return result
+        tracker: Tracker = current().skips or PlainTracker.for_thread()
+        reply: Optional[Tensor] = None
+        try:
+            while True:
+                request = result.send(reply)
+                reply = None
+                if isinstance(request, stash):
+                    if request.name not in self.stashable_names:
+                        raise RuntimeError(
+                            f"{type(self).__name__} stashed {request.name!r}, which it does not declare; "
+                            f"add it to @skippable(stash=[...])"
+                        )
+                    tracker.save(self, *self.namespaced(request.name), request.tensor)
+                elif isinstance(request, pop):
+                    if request.name not in self.poppable_names:
+                        raise RuntimeError(
+                            f"{type(self).__name__} popped {request.name!r}, which it does not declare; "
+                            f"add it to @skippable(pop=[...])"
+                        )
+                    reply = tracker.load(self, *self.namespaced(request.name))
+                else:
+                    raise TypeError(
+                        f"{type(self).__name__}.forward yielded {type(request).__name__}; a skippable "
+                        "forward yields only stash(name, tensor) or pop(name)"
+                    )
+        except StopIteration as stop:
+            return stop.value
+
+
+S = TypeVar("S", bound=Skippable)
+
+
+def skippable(
+    stash: Iterable[str] = (), pop: Iterable[str] = ()
+) -> Callable[[Type[M]], Type[M]]:
+    """Class decorator: the layer's generator ``forward`` may stash and pop the given skip names.
+
+    Example::
+
+        @skippable(stash=['skip'])
+        class Encoder(nn.Module):
+            def forward(self, x):
+                yield stash('skip', x)
+                return self.conv(x)
+
+        @skippable(pop=['skip'])
+        class Decoder(nn.Module):
+            def forward(self, x):
+                skip = yield pop('skip')
+                return self.conv(x) + skip
+    """
+    stashable = frozenset(_names(stash, "stash"))
+    poppable = frozenset(_names(pop, "pop"))
+
+    def decorate(cls: Type[M]) -> Type[M]:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"@skippable decorates nn.Module classes, got {cls!r}")
+        original_forward = cls.forward
+
+        def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
+            return self._drive(original_forward(self, *args, **kwargs))
+
+        namespace: Dict[str, Any] = {
+            "forward": forward,
+            "stashable_names": stashable,
+            "poppable_names": poppable,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        return cast(Type[M], type(cls.__name__, (cls, Skippable), namespace))
+
+    return decorate
+
+
+def _names(names: Union[str, Iterable[str]], what: str) -> List[str]:
+    if isinstance(names, str):
+        raise TypeError(f"@skippable({what}=...) takes a list of names, got the string {names!r}; write [{names!r}]")
+    listed = list(names)
+    if not all(isinstance(n, str) for n in listed):
+        raise TypeError(f"@skippable({what}=...) takes names as strings, got {listed!r}")
+    return listed
+
+
+def is_skippable(module: nn.Module) -> bool:
+    return isinstance(module, Skippable)
