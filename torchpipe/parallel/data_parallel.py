@@ -1,4 +1,6 @@
 """DataParallel: scatter a batch over replicas, run them in parallel, gather (or not) their outputs."""
+import atexit
+import weakref
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -14,6 +16,21 @@ from torchpipe.types import Device
 from torchpipe.worker import WorkerGroup
 
 __all__ = ["DataParallel", "default_device_ids"]
+
+
+# [Note: workers at exit] Worker threads that are still winding down while the interpreter
+# destroys PyTorch's static state occasionally end in "terminate called without an active
+# exception". Before anything else is torn down, stop the replicas' workers and wait for them,
+# briefly: they are idle by then (the caller is exiting).
+_groups: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for group in list(_groups):
+        group.close()
+        for worker in group.workers:
+            worker.thread.join(timeout=1.0)
 
 
 def default_device_ids() -> List[torch.device]:
@@ -172,6 +189,7 @@ class DataParallel(nn.Module):
         devices = self.device_ids[: len(arguments)]
         if self._workers is None:
             self._workers = WorkerGroup(self, self.device_ids, "dp")
+            _groups.add(self._workers)
         replicas = replicate(self.module, devices)
         return parallel_apply(replicas, arguments, self._workers)
 
