@@ -1,23 +1,40 @@
-"""The pipeline timeline: an opt-in recorder of every task the runner executes.
+"""The pipeline timeline: an opt-in recorder of every task the runner executes, and its exports.
 
 Recording is off unless a :func:`record_timeline` block is active; then every
-forward, recompute and backward task (and every hand-over between partitions)
-is recorded with its start and end time and the thread that ran it. Off, the
-runner pays one truthiness check of a module-level list per task.
+forward, recompute and backward task is recorded with its start and end time
+and the thread that ran it. Off, :func:`span` costs the runner one truthiness
+check of a module-level list and a shared do-nothing context manager per task.
+
+A recorded :class:`Timeline` exports as a Chrome trace
+(:meth:`Timeline.save_chrome_trace`, for ``chrome://tracing`` and
+https://ui.perfetto.dev) and as a Gantt chart (:meth:`Timeline.save_png`,
+needs matplotlib), both with one row per partition.
 
 Example::
 
     with torchpipe.trace.record_timeline() as timeline:
         model(x).sum().backward()
     timeline.save_chrome_trace("timeline.json")   # chrome://tracing or ui.perfetto.dev
+    timeline.save_png("timeline.png")             # forward, recompute, backward per partition
 """
+import json
+import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Generator, Iterator, List, Optional
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import Any, ContextManager, Dict, Generator, Iterator, List, Optional, Tuple, Type, Union
 
-__all__ = ["Span", "Timeline", "record_timeline", "span", "active"]
+__all__ = ["Span", "Timeline", "record_timeline", "span", "mark_start", "mark_end", "active"]
+
+#: The kinds of task, in the order the exports list them.
+KINDS = ("forward", "recompute", "backward", "copy")
+
+#: The Gantt chart's colour per kind (colour-blind-safe palette).
+COLORS = {"forward": "#4477AA", "recompute": "#EE7733", "backward": "#228833", "copy": "#BBBBBB"}
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 @dataclass(frozen=True)
@@ -31,11 +48,19 @@ class Span:
     #: Seconds from :func:`time.perf_counter`.
     start: float
     end: float
+    #: The name of the thread that ran the task.
     thread: str
 
     @property
     def duration(self) -> float:
+        """``end - start``, in seconds."""
         return self.end - self.start
+
+    @property
+    def label(self) -> str:
+        """The task as a schedule writes it: ``1F0`` is partition 1's forward of micro-batch 0."""
+        letter = {"forward": "F", "recompute": "R", "backward": "B", "copy": "C"}.get(self.kind, self.kind)
+        return f"{self.partition}{letter}{self.microbatch}"
 
 
 @dataclass
@@ -43,10 +68,12 @@ class Timeline:
     """The spans recorded inside one :func:`record_timeline` block, in the order they ended."""
 
     spans: List[Span] = field(default_factory=list)
+    #: When the block began, in :func:`time.perf_counter` seconds: time zero of the exports.
     started: float = field(default_factory=time.perf_counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, span: Span) -> None:
+        """Appends ``span`` (thread-safe)."""
         with self._lock:
             self.spans.append(span)
 
@@ -55,6 +82,159 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self.spans)
+
+    @property
+    def partitions(self) -> int:
+        """The number of rows the exports draw: one more than the highest partition recorded."""
+        return max((s.partition for s in self), default=-1) + 1
+
+    def tasks(self) -> List[Span]:
+        """The spans as the exports draw them: each starting when its input was there, sorted by start.
+
+        A span runs from the moment its worker reaches the task, or from
+        :func:`mark_start` if the runner marked when the input arrived. Where
+        it was not marked, a worker that reached a forward before the previous
+        partition handed over the activation (or a backward before the next
+        partition handed back the gradient) waited inside the span, and drawn
+        as recorded that wait would look like work. So each task here starts
+        no earlier than the end of the task it depends on (``jFi`` on
+        ``(j-1)Fi``, ``jBi`` on ``(j+1)Bi``; a task's own earlier tasks run
+        before it on the same worker anyway), when that one ended first.
+        :attr:`spans` keeps what was recorded.
+        """
+        return [drawn for drawn, _ in self._tasks()]
+
+    def _tasks(self) -> List[Tuple[Span, Span]]:
+        """:meth:`tasks`, each with the span it was made from."""
+        spans = list(self)
+        by_key: Dict[Tuple[str, int, int], List[Span]] = {}
+        for s in sorted(spans, key=lambda s: s.start):
+            by_key.setdefault((s.kind, s.partition, s.microbatch), []).append(s)
+        partitions = self.partitions
+        result: List[Tuple[Span, Span]] = []
+        for s in spans:
+            if s.kind == "forward" and s.partition > 0:
+                dependency: Optional[Tuple[str, int, int]] = ("forward", s.partition - 1, s.microbatch)
+            elif s.kind == "backward" and s.partition + 1 < partitions:
+                dependency = ("backward", s.partition + 1, s.microbatch)
+            else:
+                dependency = None
+            start = s.start
+            if dependency is not None:
+                # The same task of the same step: the latest one that began before this one ended
+                # (a timeline may hold several steps, whose micro-batch numbers repeat).
+                candidates = [d for d in by_key.get(dependency, ()) if d.start <= s.end]
+                if candidates and candidates[-1].end <= s.end:
+                    start = max(start, candidates[-1].end)
+            result.append((s if start == s.start else replace(s, start=start), s))
+        result.sort(key=lambda pair: (pair[0].start, pair[0].partition))
+        return result
+
+    # --- Chrome trace --------------------------------------------------------------------------
+
+    def to_chrome_trace(self) -> Dict[str, Any]:
+        """The timeline in the Chrome trace event format, one row ("thread") per partition.
+
+        Each task is a complete event (``"ph": "X"``) named like a schedule
+        action (``1F0``), with its kind as the category and time in
+        microseconds from the start of the :func:`record_timeline` block.
+        ``json.dump`` the result, or use :meth:`save_chrome_trace`; both
+        ``chrome://tracing`` and https://ui.perfetto.dev load it.
+        """
+        pid = 0
+        events: List[Dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "torchpipe pipeline"}},
+        ]
+        for j in range(self.partitions):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": j, "args": {"name": f"partition {j}"}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": j, "args": {"sort_index": j}})
+        for s, recorded in self._tasks():
+            events.append({
+                "name": s.label,
+                "cat": s.kind,
+                "ph": "X",
+                "pid": pid,
+                "tid": s.partition,
+                "ts": round((s.start - self.started) * 1e6, 3),
+                "dur": round(s.duration * 1e6, 3),
+                "args": {
+                    "partition": s.partition,
+                    "microbatch": s.microbatch,
+                    "kind": s.kind,
+                    "thread": s.thread,
+                    "waited for input (us)": round((s.start - recorded.start) * 1e6, 3),
+                },
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: PathLike) -> None:
+        """Writes :meth:`to_chrome_trace` as JSON to ``path`` (its folder is created if missing)."""
+        _make_parent(path)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_chrome_trace(), f)
+
+    # --- Gantt chart ---------------------------------------------------------------------------
+
+    def save_png(self, path: PathLike, *, title: Optional[str] = None, dpi: int = 120) -> None:
+        """Draws the timeline as a Gantt chart and saves it to ``path`` (PNG; its folder is created).
+
+        One row per partition (partition 0 on top), one box per task coloured
+        by kind (forward, recompute, backward), the micro-batch number in each
+        box that is wide enough to hold it (boxes from :meth:`tasks`); the x axis is
+        milliseconds from the first task.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install matplotlib``).
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "Timeline.save_png needs matplotlib, which is not installed: pip install matplotlib "
+                "(or use Timeline.save_chrome_trace, which needs nothing)"
+            ) from exc
+
+        spans = self.tasks()
+        rows = max(self.partitions, 1)
+        origin = min((s.start for s in spans), default=self.started)
+        finish = max((s.end for s in spans), default=origin)
+        width_ms = max((finish - origin) * 1e3, 1e-3)
+
+        # Pyplot-free (Figure + Agg canvas): no global state, no GUI backend, safe in worker threads.
+        figure = Figure(figsize=(max(8.0, min(24.0, 2.0 + 0.25 * len(spans) / rows)), 1.0 + 0.6 * rows))
+        FigureCanvasAgg(figure)
+        axes = figure.add_subplot()
+        renderer_width_px = figure.get_figwidth() * dpi * 0.8
+        for s in spans:
+            left = (s.start - origin) * 1e3
+            width = s.duration * 1e3
+            axes.broken_barh([(left, width)], (s.partition - 0.4, 0.8),
+                             facecolors=COLORS.get(s.kind, "#777777"), edgecolor="white", linewidth=0.5)
+            if width / width_ms * renderer_width_px >= 7 * len(str(s.microbatch)):
+                axes.text(left + width / 2, s.partition, str(s.microbatch), ha="center", va="center",
+                          fontsize=7, color="white")
+        axes.set_ylim(rows - 0.5, -0.5)
+        axes.set_yticks(range(rows))
+        axes.set_yticklabels([f"partition {j}" for j in range(rows)])
+        axes.set_xlim(0, width_ms)
+        axes.set_xlabel("time (ms)")
+        kinds = [k for k in KINDS if any(s.kind == k for s in spans)]
+        if kinds:
+            axes.legend(handles=[Patch(facecolor=COLORS[k], label=k) for k in kinds],
+                        loc="upper center", bbox_to_anchor=(0.5, -0.25 if rows > 1 else -0.5), ncol=len(kinds),
+                        frameon=False)
+        axes.set_title(title if title is not None else "torchpipe timeline (number: micro-batch)")
+        figure.tight_layout()
+        _make_parent(path)
+        figure.savefig(path, dpi=dpi, format="png")
+
+
+def _make_parent(path: PathLike) -> None:
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
 
 
 _timelines: List[Timeline] = []
@@ -68,7 +248,11 @@ def active() -> bool:
 
 @contextmanager
 def record_timeline() -> Generator[Timeline, None, None]:
-    """Records every pipeline task run inside the block (from any thread) into the yielded timeline."""
+    """Records every pipeline task run inside the block (from any thread) into the yielded timeline.
+
+    Blocks may nest or overlap (from different threads); each gets every task
+    that ran while it was active.
+    """
     timeline = Timeline()
     with _timelines_lock:
         _timelines.append(timeline)
@@ -79,18 +263,97 @@ def record_timeline() -> Generator[Timeline, None, None]:
             _timelines.remove(timeline)
 
 
-@contextmanager
-def span(kind: str, partition: int, microbatch: int) -> Generator[None, None, None]:
-    """Records the block as one task in every active timeline (cheap when none is active)."""
-    if not _timelines:
-        yield
-        return
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        record = Span(kind, partition, microbatch, start, time.perf_counter(), threading.current_thread().name)
+class _Nothing:
+    """The context manager :func:`span` hands out when nothing records: one shared instance."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        return None
+
+
+_NOTHING = _Nothing()
+
+
+class _Open(threading.local):
+    """The spans open on this thread, innermost last (see :func:`mark_start`)."""
+
+    def __init__(self) -> None:
+        self.stack: List[_Recording] = []
+
+
+_open = _Open()
+
+
+class _Recording:
+    """Times its block and adds it to every timeline active when the block ends."""
+
+    __slots__ = ("kind", "partition", "microbatch", "start", "end")
+
+    def __init__(self, kind: str, partition: int, microbatch: int) -> None:
+        self.kind = kind
+        self.partition = partition
+        self.microbatch = microbatch
+        self.start = 0.0
+        self.end: Optional[float] = None
+
+    def __enter__(self) -> None:
+        _open.stack.append(self)
+        self.start = time.perf_counter()
+
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        now = time.perf_counter()
+        stack = _open.stack
+        if stack and stack[-1] is self:
+            stack.pop()
+        end = now if self.end is None else self.end
+        record = Span(self.kind, self.partition, self.microbatch, self.start, end, threading.current_thread().name)
         with _timelines_lock:
-            targets: Optional[List[Timeline]] = list(_timelines)
-        for timeline in targets or ():
+            targets = list(_timelines)
+        for timeline in targets:
             timeline.add(record)
+
+
+def span(kind: str, partition: int, microbatch: int) -> ContextManager[None]:
+    """Records the block as one task in every active timeline.
+
+    With no :func:`record_timeline` block active this returns a shared
+    do-nothing context manager: one list check, no allocation, no clock read.
+    """
+    if not _timelines:
+        return _NOTHING
+    return _Recording(kind, partition, microbatch)
+
+
+def mark_start() -> None:
+    """Moves the start of the span open on this thread to now: the task's input has arrived.
+
+    The runner calls it right after a task has received what it waited for
+    (the previous partition's activation, the next partition's gradient), so
+    the span covers the task's work, not its wait. Free when nothing records.
+    """
+    if not _timelines:
+        return
+    stack = _open.stack
+    if stack:
+        stack[-1].start = time.perf_counter()
+
+
+def mark_end() -> None:
+    """Ends the span open on this thread now (it is recorded when its block exits).
+
+    The runner calls it right before handing a task's output on, so that the
+    task that takes it starts after this one ended. Free when nothing records.
+    """
+    if not _timelines:
+        return
+    stack = _open.stack
+    if stack and stack[-1].end is None:
+        stack[-1].end = time.perf_counter()
