@@ -1,5 +1,6 @@
 """DataParallel: scatter a batch over replicas, run them in parallel, gather (or not) their outputs."""
 import atexit
+import threading
 import weakref
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
@@ -18,19 +19,22 @@ from torchpipe.worker import WorkerGroup
 __all__ = ["DataParallel", "default_device_ids"]
 
 
-# [Note: workers at exit] Worker threads that are still winding down while the interpreter
-# destroys PyTorch's static state occasionally end in "terminate called without an active
-# exception". Before anything else is torn down, stop the replicas' workers and wait for them,
-# briefly: they are idle by then (the caller is exiting).
+# [Note: workers at exit] Worker threads still winding down while the interpreter destroys
+# PyTorch's static state occasionally end the process with "terminate called without an active
+# exception" (seen when a DataParallel is collected just before exit). At exit, stop the
+# replicas' workers and wait, briefly, for every one still alive, including those of wrappers
+# already collected (their threads are found by name). They are idle by then.
 _groups: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
+_THREAD_PREFIX = "torchpipe-dp-"
 
 
 @atexit.register
 def _stop_workers() -> None:
     for group in list(_groups):
         group.close()
-        for worker in group.workers:
-            worker.thread.join(timeout=1.0)
+    for thread in threading.enumerate():
+        if thread.name.startswith(_THREAD_PREFIX) and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
 
 
 def default_device_ids() -> List[torch.device]:
