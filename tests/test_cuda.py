@@ -1,0 +1,145 @@
+"""CUDA: streams, copies between devices, output device, and the backward-thread deadlock trap.
+
+Every test here is marked ``cuda`` and skipped without a GPU (see conftest.py). The
+deadlock tests carry a timeout so that a deadlock fails instead of hanging.
+"""
+import copy
+from typing import List
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchpipe import GPipe
+from torchpipe.skip import pop, skippable, stash
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def check(devices: List[str], checkpoint: str, chunks: int = 4) -> GPipe:
+    plain = model()
+    piped = GPipe(copy.deepcopy(plain), [2, 3], devices=devices, chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(16, 8)
+    plain.to(devices[0])
+    x_plain = x.to(devices[0]).requires_grad_()
+    x_piped = x.clone().requires_grad_()
+    expected = plain(x_plain)
+    actual = piped(x_piped)
+    assert actual.device == torch.device(devices[-1]) if devices[-1] != "cuda" else actual.is_cuda
+    assert torch.allclose(actual.to(expected.device), expected, atol=1e-5)
+    expected.pow(2).sum().backward()
+    actual.pow(2).sum().backward()
+    assert torch.allclose(x_piped.grad.to(x_plain.device), x_plain.grad, atol=1e-5)
+    for p, q in zip(plain.parameters(), piped.parameters()):
+        assert torch.allclose(q.grad.to(p.device), p.grad, atol=1e-5)
+    return piped
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_two_partitions_on_one_gpu(checkpoint: str) -> None:
+    check(["cuda:0", "cuda:0"], checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_gpu_partition_then_cpu_partition(checkpoint: str) -> None:
+    check(["cuda:0", "cpu"], checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_cpu_partition_then_gpu_partition(checkpoint: str) -> None:
+    check(["cpu", "cuda:0"], checkpoint)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_two_gpus(checkpoint: str) -> None:
+    piped = check(["cuda:0", "cuda:1"], checkpoint)
+    assert next(piped.partitions[1].parameters()).device == torch.device("cuda:1")
+
+
+def test_default_devices_are_gpus() -> None:
+    if torch.cuda.device_count() >= 2:
+        piped = GPipe(model(), [2, 3])
+        assert piped.devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    else:
+        with pytest.raises(IndexError, match="devices"):
+            GPipe(model(), [2, 3])
+
+
+def test_input_on_cpu_is_moved_and_output_lives_on_the_last_device() -> None:
+    piped = GPipe(model(), [2, 3], devices=["cuda:0", "cuda:0"], chunks=2)
+    out = piped(torch.randn(4, 8))
+    assert out.device == torch.device("cuda:0")
+
+
+class SlowWrite(nn.Module):
+    """Writes its output only after a long GPU sleep: a copy that does not wait reads garbage."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        torch.cuda._sleep(50_000_000)
+        out.copy_(x * 3)
+        return out
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cuda:0", "cpu"]])
+def test_copies_wait_for_the_producer(devices: List[str]) -> None:
+    piped = GPipe(nn.Sequential(SlowWrite(), nn.Identity()), [1, 1], devices=devices, chunks=4)
+    x = torch.randn(8, 4, device="cuda:0")
+    assert torch.equal(piped(x).to("cuda:0"), x * 3)
+
+
+@TWO_GPUS
+def test_copies_between_gpus_wait_for_the_producer() -> None:
+    piped = GPipe(nn.Sequential(SlowWrite(), nn.Identity()), [1, 1], devices=["cuda:0", "cuda:1"], chunks=4)
+    x = torch.randn(8, 4, device="cuda:0")
+    assert torch.equal(piped(x).to("cuda:0"), x * 3)
+
+
+def test_dropout_recomputation_on_gpu() -> None:
+    layers = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    plain = copy.deepcopy(layers).cuda()
+    piped = GPipe(layers, [2, 3], devices=["cuda:0", "cuda:0"], chunks=1, checkpoint="always")
+    x = torch.randn(16, 8, device="cuda:0")
+    torch.manual_seed(3)
+    piped(x).sum().backward()
+    torch.manual_seed(3)
+    plain(x).sum().backward()
+    for p, q in zip(plain.parameters(), piped.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5)
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x)
+        return x * 2
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cpu", "cuda:0"], ["cpu", "cuda:0", "cuda:0"]])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_skip_between_devices(devices: List[str], checkpoint: str) -> None:
+    module = nn.Sequential(Stash(), nn.Linear(4, 4), Pop())
+    plain = copy.deepcopy(module)
+    piped = GPipe(module, [1, 1, 1], devices=devices, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4)
+    x_plain, x_piped = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, actual = plain(x_plain), piped(x_piped)
+    assert torch.allclose(actual.cpu(), expected, atol=1e-5)
+    expected.sum().backward()
+    actual.sum().backward()
+    assert torch.allclose(x_piped.grad.cpu(), x_plain.grad, atol=1e-5)
