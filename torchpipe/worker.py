@@ -11,7 +11,14 @@ its own type, message and traceback; the worker goes on serving the next task.
 Workers are daemon threads, stopped by :meth:`WorkerGroup.close` or when the
 owning object is garbage collected (a sentinel is queued; nothing joins
 threads in ``__del__``).
+
+[Note: workers at exit] A worker thread still winding down while the
+interpreter destroys PyTorch's static state can end the process with
+"terminate called without an active exception" (seen when a wrapper was
+collected just before exit). So at exit every live worker is told to stop,
+and each is waited for, briefly; they are idle by then.
 """
+import atexit
 import queue
 import threading
 import weakref
@@ -25,6 +32,18 @@ __all__ = ["Worker", "WorkerGroup", "default_intra_op_threads"]
 R = TypeVar("R")
 
 _STOP = object()
+
+_live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for worker in list(_live):
+        worker.close()
+    for thread in list(_threads):
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
 
 
 def default_intra_op_threads(devices: Sequence[torch.device]) -> List[int]:
@@ -73,6 +92,8 @@ class Worker:
             target=_serve, args=(self._tasks, num_threads, device), name=name, daemon=True
         )
         self._thread.start()
+        _live.add(self)
+        _threads.add(self._thread)
 
     def submit(self, fn: Callable[[], R]) -> "Future[R]":
         """Queues ``fn``; its result (or exception) arrives through the returned future."""

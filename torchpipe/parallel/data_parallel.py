@@ -1,7 +1,4 @@
 """DataParallel: scatter a batch over replicas, run them in parallel, gather (or not) their outputs."""
-import atexit
-import threading
-import weakref
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -17,24 +14,6 @@ from torchpipe.types import Device
 from torchpipe.worker import WorkerGroup
 
 __all__ = ["DataParallel", "default_device_ids"]
-
-
-# [Note: workers at exit] Worker threads still winding down while the interpreter destroys
-# PyTorch's static state occasionally end the process with "terminate called without an active
-# exception" (seen when a DataParallel is collected just before exit). At exit, stop the
-# replicas' workers and wait, briefly, for every one still alive, including those of wrappers
-# already collected (their threads are found by name). They are idle by then.
-_groups: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
-_THREAD_PREFIX = "torchpipe-dp-"
-
-
-@atexit.register
-def _stop_workers() -> None:
-    for group in list(_groups):
-        group.close()
-    for thread in threading.enumerate():
-        if thread.name.startswith(_THREAD_PREFIX) and thread is not threading.current_thread():
-            thread.join(timeout=1.0)
 
 
 def default_device_ids() -> List[torch.device]:
@@ -193,7 +172,6 @@ class DataParallel(nn.Module):
         devices = self.device_ids[: len(arguments)]
         if self._workers is None:
             self._workers = WorkerGroup(self, self.device_ids, "dp")
-            _groups.add(self._workers)
         replicas = replicate(self.module, devices)
         return parallel_apply(replicas, arguments, self._workers)
 
