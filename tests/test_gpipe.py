@@ -366,3 +366,32 @@ def test_state_dict_round_trip() -> None:
     other.load_state_dict(model.state_dict())
     x = torch.randn(3, 4)
     assert torch.allclose(model(x), other(x))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_autocast_reaches_every_partition_and_the_recomputation(checkpoint: str) -> None:
+    dtypes = []
+
+    class Dtype(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            dtypes.append((torchpipe.is_recomputing(), x.dtype))
+            return x
+
+    module = nn.Sequential(nn.Linear(4, 4), Dtype(), nn.Linear(4, 4), Dtype())
+    plain = nn.Sequential(*module)
+    model = cpu_gpipe(module, [2, 2], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        expected = plain(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert {d for _, d in dtypes} == {torch.bfloat16}
+    assert any(recomputing for recomputing, _ in dtypes) == (checkpoint == "always")
+
+
+def test_inference_mode() -> None:
+    model = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
+    with torch.inference_mode():
+        out = model(torch.randn(4, 4))
+    assert out.is_inference() and not out.requires_grad

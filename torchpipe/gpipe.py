@@ -155,8 +155,7 @@ class GPipe(nn.Module):
         step = Step(self._pipeline, batches, grad_enabled=needs_grad, checkpoint_stop=stop, training=self.training)
         try:
             if not needs_grad:
-                with torch.set_grad_enabled(grad_enabled):
-                    output = microbatch.gather(self._pipeline.run_forward(step))
+                output = microbatch.gather(self._pipeline.run_forward(step))
             else:
                 phony = torch.empty(0, device=self.devices[0], requires_grad=True)
                 outputs = PipelineFunction.apply(step, phony, *tensors)  # type: ignore[no-untyped-call]

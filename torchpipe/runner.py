@@ -52,7 +52,7 @@ from torchpipe.stream import (
     use_device,
     use_stream,
 )
-from torchpipe.worker import WorkerGroup
+from torchpipe.worker import ThreadContext, WorkerGroup
 
 __all__ = ["Pipeline", "Step", "PipelineFunction", "Aborted"]
 
@@ -156,6 +156,7 @@ class Step:
         self.batches: Optional[List[Batch]] = batches
         self.microbatches = len(batches)
         self.grad_enabled = grad_enabled
+        self.context = ThreadContext.capture()
         self.checkpoint_stop = checkpoint_stop
         self.training = training
         self.schedule: Schedule = fill_drain(self.microbatches, len(pipeline.partitions), checkpoint_stop)
@@ -251,15 +252,14 @@ class Pipeline:
         errors: List[BaseException] = []
         try:
             workers = self.workers() if len(inline) < len(schedule) else None
-            grad_enabled = step.grad_enabled
             for j, actions in enumerate(schedule):
                 if actions and j not in inline:
                     assert workers is not None
-                    futures.append(workers[j].submit(functools.partial(self._run_actions, step, actions, grad_enabled)))
+                    futures.append(workers[j].submit(functools.partial(self._run_actions, step, actions)))
             if inline:
                 order = [a for cycle in clock_cycles(schedule) for a in cycle if a.partition in inline]
                 try:
-                    self._run_actions(step, order, grad_enabled)
+                    self._run_actions(step, order)
                 except BaseException as exc:  # noqa: B036 - re-raised below, after the workers stop
                     errors.append(exc)
             wait_futures(futures)
@@ -275,11 +275,10 @@ class Pipeline:
         if root is not None:
             raise root
 
-    def _run_actions(self, step: Step, actions: Sequence[Action], grad_enabled: bool) -> None:
+    def _run_actions(self, step: Step, actions: Sequence[Action]) -> None:
         try:
-            with torch.set_grad_enabled(grad_enabled):
-                for action in actions:
-                    self._execute(step, action)
+            for action in actions:
+                self._execute(step, action)
         except BaseException:
             step.mailbox.abort()
             raise
@@ -287,15 +286,20 @@ class Pipeline:
     # --- actions ---------------------------------------------------------------------------------
 
     def _execute(self, step: Step, action: Action) -> None:
-        j = action.partition
-        label = f"torchpipe/part{j}/mb{action.microbatch}/{_LABELS[action.kind]}"
+        j, kind = action.partition, action.kind
+        label = f"torchpipe/part{j}/mb{action.microbatch}/{_LABELS[kind]}"
+        # Forward and recomputation run in the caller's grad / inference / autocast state (thread-local
+        # in PyTorch, so captured on the caller's thread); a recomputation always with grad.
+        context = step.context.entered(grad_enabled=True) if kind is Kind.RECOMPUTE else step.context.entered()
         with use_device(self.devices[j]), use_stream(step.streams[j]), record_function(label), trace.span(
-            _LABELS[action.kind], j, action.microbatch
+            _LABELS[kind], j, action.microbatch
         ):
-            if action.kind is Kind.FORWARD:
-                self._forward(step, action.microbatch, j)
-            elif action.kind is Kind.RECOMPUTE:
-                self._recompute(step, action.microbatch, j)
+            if kind is Kind.FORWARD:
+                with context:
+                    self._forward(step, action.microbatch, j)
+            elif kind is Kind.RECOMPUTE:
+                with context:
+                    self._recompute(step, action.microbatch, j)
             else:
                 self._backward(step, action.microbatch, j)
 

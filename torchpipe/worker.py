@@ -19,15 +19,17 @@ collected just before exit). So at exit every live worker is told to stop,
 and each is waited for, briefly; they are idle by then.
 """
 import atexit
+import contextlib
 import queue
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-__all__ = ["Worker", "WorkerGroup", "default_intra_op_threads"]
+__all__ = ["Worker", "WorkerGroup", "ThreadContext", "default_intra_op_threads"]
 
 R = TypeVar("R")
 
@@ -44,6 +46,49 @@ def _stop_all_at_exit() -> None:
     for thread in list(_threads):
         if thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout=1.0)
+
+
+_AUTOCAST_TYPES = ("cpu", "cuda")
+
+
+def _autocast_state(kind: str) -> Tuple[bool, torch.dtype]:
+    try:
+        return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    except TypeError:  # torch < 2.4 has one function per device type
+        if kind == "cuda":
+            return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+
+
+@dataclass(frozen=True)
+class ThreadContext:
+    """The caller's thread-local autograd state (grad mode, inference mode, autocast), for a worker.
+
+    PyTorch keeps these per thread, so a task run on a worker sees none of the
+    caller's unless it is captured and re-entered there.
+    """
+
+    grad_enabled: bool
+    inference_mode: bool
+    autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
+
+    @staticmethod
+    def capture() -> "ThreadContext":
+        autocast = tuple((kind, *_autocast_state(kind)) for kind in _AUTOCAST_TYPES)
+        return ThreadContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+    @contextlib.contextmanager
+    def entered(self, *, grad_enabled: Optional[bool] = None) -> Generator[None, None, None]:
+        """Runs the block in this state (``grad_enabled`` overrides the captured grad mode)."""
+        with contextlib.ExitStack() as stack:
+            if self.inference_mode:
+                stack.enter_context(torch.inference_mode(True))
+            grad = self.grad_enabled if grad_enabled is None else grad_enabled
+            stack.enter_context(torch.set_grad_enabled(grad))
+            for kind, enabled, dtype in self.autocast:
+                if enabled:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype))
+            yield
 
 
 def default_intra_op_threads(devices: Sequence[torch.device]) -> List[int]:

@@ -16,10 +16,9 @@ replicas' backward passes run in parallel.
 Gradient mode, inference mode and autocast are thread-local in PyTorch; a
 worker runs each task in the caller's (:class:`ThreadContext`).
 """
-import contextlib
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Dict, Generator, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -27,41 +26,12 @@ from torch.autograd.profiler import record_function
 
 from torchpipe.parallel.replicate import Replica
 from torchpipe.transfer import map_structure, tensors_of
-from torchpipe.worker import WorkerGroup
+from torchpipe.worker import ThreadContext, WorkerGroup
 
 __all__ = ["Arguments", "ThreadContext", "ParallelBackward", "parallel_apply", "wait_all"]
 
 #: The positional and keyword arguments of one replica.
 Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
-
-_AUTOCAST_TYPES = ("cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class ThreadContext:
-    """The thread-local autograd state of the caller, to be reinstated in a worker thread."""
-
-    grad_enabled: bool
-    inference_mode: bool
-    autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
-
-    @staticmethod
-    def capture() -> "ThreadContext":
-        autocast = tuple(
-            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_TYPES
-        )
-        return ThreadContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
-
-    @contextlib.contextmanager
-    def entered(self) -> Generator[None, None, None]:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.inference_mode(self.inference_mode))
-            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-            for kind, enabled, dtype in self.autocast:
-                if enabled:
-                    stack.enter_context(torch.autocast(kind, dtype=dtype))
-            yield
-
 
 def wait_all(futures: Sequence["Future[Any]"], devices: Sequence[torch.device]) -> List[Any]:
     """The results of ``futures``, after every one has finished.
