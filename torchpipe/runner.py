@@ -26,6 +26,7 @@ with its own type and message.
 """
 import functools
 import threading
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -177,7 +178,8 @@ class Pipeline:
     """Runs steps over a fixed list of partitions, one worker thread per partition."""
 
     def __init__(self, owner: object, partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-        self._owner_ref = owner
+        # Weak: the owner (a GPipe) holds this pipeline; its workers stop when it is collected.
+        self._owner = weakref.ref(owner)
         self.partitions = list(partitions)
         self.devices = list(devices)
         self.rng = RNGGuard()
@@ -188,11 +190,11 @@ class Pipeline:
 
     def __getstate__(self) -> Dict[str, Any]:
         # Copies (deepcopy, pickle) get their own workers, streams and locks.
-        return {"_owner_ref": self._owner_ref, "partitions": self.partitions, "devices": self.devices,
+        return {"owner": self._owner(), "partitions": self.partitions, "devices": self.devices,
                 "skip_layout": self.skip_layout}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__(state["_owner_ref"], state["partitions"], state["devices"])  # type: ignore[misc]
+        self.__init__(state["owner"], state["partitions"], state["devices"])  # type: ignore[misc]
         self.skip_layout = state["skip_layout"]
 
     # --- resources, created on first use so that the caller's thread settings apply -----------
@@ -200,7 +202,10 @@ class Pipeline:
     def workers(self) -> WorkerGroup:
         with self._lock:
             if self._workers is None:
-                self._workers = WorkerGroup(self._owner_ref, self.devices, "partition")
+                owner = self._owner()
+                if owner is None:
+                    raise RuntimeError("the GPipe that owns this pipeline was garbage collected")
+                self._workers = WorkerGroup(owner, self.devices, "partition")
             return self._workers
 
     def copy_streams(self) -> List[AbstractStream]:
