@@ -16,6 +16,10 @@ from torchpipe.worker import WorkerGroup
 __all__ = ["DataParallel", "default_device_ids"]
 
 
+class ReplicaArgumentError(TypeError, ValueError):
+    """An argument meant to hold one element per replica is not a list or tuple."""
+
+
 def default_device_ids() -> List[torch.device]:
     """Every CUDA device, or one ``'cpu'`` replica when there is no CUDA."""
     if torch.cuda.is_available():
@@ -146,7 +150,9 @@ class DataParallel(nn.Module):
             elif len(value) != count:
                 problems.append(f"{name} has {len(value)} elements but there are {count} replicas")
         if problems:
-            error = TypeError if all("not a list" in p for p in problems) else ValueError
+            # A wrong length is a ValueError; an argument that is no per-replica sequence at all is
+            # both a wrong type and a wrong value, and catchable as either.
+            error = ReplicaArgumentError if all("not a list" in p for p in problems) else ValueError
             raise error(
                 f"{type(self).__name__} expects every argument to hold one element per replica "
                 f"(device_ids: {[str(d) for d in self.device_ids]}): " + "; ".join(problems)
