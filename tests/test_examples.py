@@ -1,0 +1,77 @@
+"""Every script in examples/ runs to the end on CPU, with small flags (each as a subprocess, like a user)."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+# Small flags per example; scripts without flags run as they are.
+FLAGS: Dict[str, List[str]] = {
+    "quickstart.py": ["--steps", "11"],
+    "recomputation.py": ["--chunks", "3"],
+    "skip_connections.py": ["--checkpoint", "always", "--chunks", "2"],
+}
+
+
+def run(script: str, *args: str, timeout: float = 120.0) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, (
+        f"{script} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    )
+    return done.stdout
+
+
+# Every script but train.py (tested below with its own flags), found on disk so a new one is not missed.
+SIMPLE = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "train.py")
+
+
+def test_the_documented_examples_exist() -> None:
+    assert set(SIMPLE) >= {"quickstart.py", "recomputation.py", "skip_connections.py", "balancing.py"}
+
+
+@pytest.mark.parametrize("script", SIMPLE)
+def test_example_runs(script: str) -> None:
+    out = run(script, *FLAGS.get(script, []))
+    if script == "quickstart.py":
+        losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
+        assert losses[-1] < losses[0]
+
+
+def test_train_small_run(tmp_path: Path) -> None:
+    out = run("train.py", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "16", "--width", "8",
+              "--chunks", "2", "--speed-rounds", "1", "--balance-timeout", "0.2", "--no-progress",
+              "--out", str(tmp_path))
+    lines = out.strip().splitlines()
+    assert "balance_by_time" in lines[0]
+    epochs = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("epoch ")]
+    assert len(epochs) == 2
+    last = lines[-1]
+    assert last.startswith("throughput: GPipe ") and "samples/s vs plain" in last and "peak step memory" in last
+    assert (tmp_path / "timeline.json").stat().st_size > 0
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_without_timeline(tmp_path: Path) -> None:
+    out = run("train.py", "--epochs", "1", "--steps-per-epoch", "1", "--batch-size", "8", "--width", "4",
+              "--partitions", "3", "--chunks", "2", "--speed-rounds", "1", "--balance-timeout", "0.1",
+              "--no-progress", "--no-timeline", "--out", str(tmp_path / "none"))
+    assert "3 partitions" in out.strip().splitlines()[-1]
+    assert not (tmp_path / "none").exists()
+
+
+def test_train_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("train_example", EXAMPLES / "train.py")
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    with pytest.raises(SystemExit) as exit:
+        train.parse_args(["--chunks", "0"])
+    assert exit.value.code == 2 and "--chunks must be at least 1" in capsys.readouterr().err
