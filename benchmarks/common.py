@@ -1,0 +1,340 @@
+"""The benchmarks' common runner: interleaved timing, machine line, devices, progress, JSON, plots, child processes.
+
+Every benchmark prints figures as ratios to the plain module measured in the
+same run: :func:`compare` alternates the plain step and each variant's step
+(``plain, variant, plain, variant, ...``) after a warm-up, so drift of a noisy
+machine hits both sides of each pair, and reports the median of the per-pair
+ratios. On CUDA every timed step ends with ``torch.cuda.synchronize``.
+"""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ROOT",
+    "Step",
+    "Variant",
+    "Comparison",
+    "machine_description",
+    "default_device",
+    "synchronize",
+    "intra_op_threads",
+    "train_step",
+    "compare",
+    "progress",
+    "torchgpipe_module",
+    "save_json",
+    "bar_plot",
+    "format_table",
+    "run_in_child",
+    "cpu_peak_rss_bytes",
+    "cores",
+]
+
+#: The repository root (benchmarks/..).
+ROOT = Path(__file__).resolve().parent.parent
+
+#: A callable that runs one step and returns nothing.
+Step = Callable[[], None]
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(device: Optional[torch.device] = None) -> str:
+    """One line naming the machine: CPU model, cores, torch version, and the CUDA device if any."""
+    line = f"{_cpu_model()}, {cores()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+    if torch.cuda.is_available():
+        index = device.index if device is not None and device.type == "cuda" and device.index is not None else 0
+        line += f", CUDA {torch.version.cuda}: {torch.cuda.get_device_name(index)} x{torch.cuda.device_count()}"
+    else:
+        line += ", no CUDA"
+    return line
+
+
+def default_device(requested: Optional[str] = None) -> torch.device:
+    """``requested`` if given, else ``cuda`` when available, else ``cpu``."""
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def intra_op_threads(count: Optional[int]) -> Iterator[None]:
+    """Sets ``torch.set_num_threads(count)`` in the calling thread for the block (``None``: leave it)."""
+    if count is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _loss(output: Any) -> Tensor:
+    if isinstance(output, Tensor):
+        return output.float().mean()
+    return sum((_loss(o) for o in output), torch.zeros((), device=_first_tensor(output).device))
+
+
+def _first_tensor(output: Any) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    return _first_tensor(output[0])
+
+
+def train_step(model: nn.Module, input: Union[Tensor, Tuple[Tensor, ...]]) -> Step:
+    """A training step: forward, ``mean()`` of the output (summed over tuple outputs), backward, drop grads."""
+
+    def step() -> None:
+        _loss(model(input)).backward()  # type: ignore[no-untyped-call]
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+@dataclass
+class Variant:
+    """A step to compare with the plain step.
+
+    ``threads``: intra-op threads of the calling thread while this step runs
+    (``None`` leaves them as they are).
+    """
+
+    name: str
+    step: Step
+    threads: Optional[int] = None
+
+
+@dataclass
+class Comparison:
+    """Timings of one variant against the plain step it was interleaved with (seconds)."""
+
+    name: str
+    ratio: float
+    seconds: float
+    plain_seconds: float
+    ratios: List[float] = field(default_factory=list)
+
+    def throughput(self, batch: int) -> float:
+        return batch / self.seconds
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _timed(variant: Variant, device: torch.device) -> float:
+    with intra_op_threads(variant.threads):
+        synchronize(device)
+        start = time.perf_counter()
+        variant.step()
+        synchronize(device)
+        return time.perf_counter() - start
+
+
+def compare(
+    plain: Variant,
+    variants: Sequence[Variant],
+    *,
+    rounds: int = 5,
+    warmup: int = 1,
+    device: Optional[torch.device] = None,
+    desc: str = "",
+    quiet: bool = False,
+) -> List[Comparison]:
+    """Times each variant against ``plain``, interleaved in pairs; medians and the median ratio.
+
+    For each variant: ``warmup`` untimed pairs, then ``rounds`` timed pairs
+    ``(plain, variant)``. ``ratio`` is the median of the per-pair ratios
+    ``variant / plain`` (so drift between pairs cancels); ``seconds`` and
+    ``plain_seconds`` are the medians of each side.
+    """
+    device = device if device is not None else torch.device("cpu")
+    results: List[Comparison] = []
+    bar = progress(total=len(variants) * (rounds + warmup), desc=desc, disable=quiet)
+    try:
+        for variant in variants:
+            for _ in range(warmup):
+                _timed(plain, device)
+                _timed(variant, device)
+                bar.update(1)
+            plain_times: List[float] = []
+            times: List[float] = []
+            for _ in range(rounds):
+                plain_times.append(_timed(plain, device))
+                times.append(_timed(variant, device))
+                bar.update(1)
+            ratios = [t / p for t, p in zip(times, plain_times)]
+            results.append(Comparison(variant.name, statistics.median(ratios), statistics.median(times),
+                                      statistics.median(plain_times), ratios))
+    finally:
+        bar.close()
+    return results
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+
+def progress(total: int, desc: str = "", disable: bool = False) -> Any:
+    """A ``tqdm`` progress bar on stderr (a silent stand-in when tqdm is missing or ``disable``)."""
+    if disable:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def torchgpipe_module() -> Optional[ModuleType]:
+    """``torchgpipe`` if it is importable (for figures beside ours), else None."""
+    try:
+        import torchgpipe
+    except ImportError:
+        return None
+    return torchgpipe
+
+
+def save_json(path: Union[str, Path], payload: Mapping[str, Any]) -> None:
+    """Writes ``payload`` with the machine line added as ``machine`` (its folder is created)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine_description(), **payload}
+    target.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def bar_plot(
+    path: Union[str, Path],
+    groups: Mapping[str, Mapping[str, float]],
+    *,
+    title: str,
+    ylabel: str,
+    reference: Optional[float] = None,
+) -> None:
+    """A grouped bar chart saved as PNG: one group per outer key, one bar per inner key.
+
+    ``reference`` draws a dashed horizontal line (1.0 for ratios to the plain module).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names: List[str] = []
+    for bars in groups.values():
+        names += [n for n in bars if n not in names]
+    figure = Figure(figsize=(max(6.0, 1.2 + 0.35 * len(names) * len(groups)), 4.2))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    width = 0.8 / max(1, len(names))
+    for index, name in enumerate(names):
+        xs = [g + (index - (len(names) - 1) / 2) * width for g, bars in enumerate(groups.values()) if name in bars]
+        ys = [bars[name] for bars in groups.values() if name in bars]
+        axes.bar(xs, ys, width, label=name)
+    if reference is not None:
+        axes.axhline(reference, color="black", linestyle="--", linewidth=0.8)
+    axes.set_xticks(range(len(groups)))
+    axes.set_xticklabels(list(groups))
+    axes.set_ylabel(ylabel)
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(target, dpi=110, format="png")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table; floats get 3 decimals, the first column is left-aligned."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return "n/a" if value is None else str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def cpu_peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes (``ru_maxrss``)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def run_in_child(target: str, kwargs: Mapping[str, Any], *, timeout: float = 600.0) -> Any:
+    """Runs ``module:function(**kwargs)`` in a fresh Python process and returns its JSON-able result.
+
+    A fresh process per call is what makes ``ru_maxrss`` a per-measurement
+    peak. The child's intra-op thread count is inherited through
+    ``OMP_NUM_THREADS`` only if the caller set it; the function decides.
+
+    Raises:
+        RuntimeError: the child failed; its stderr's tail is in the message.
+    """
+    module, function = target.split(":")
+    code = (
+        "import json, sys\n"
+        f"from {module} import {function} as f\n"
+        "result = f(**json.loads(sys.argv[1]))\n"
+        "print('\\n' + json.dumps(result))\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(dict(kwargs))], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise RuntimeError(f"{target}({dict(kwargs)}) failed in a child process (exit {done.returncode}):\n{tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

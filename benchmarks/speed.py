@@ -1,0 +1,245 @@
+"""Speed benchmark: training throughput of ResNet-101, U-Net and AmoebaNet-D, plain and under GPipe.
+
+For each model, prints the plain module's samples/s and, for each
+``partitions x chunks`` configuration, GPipe's samples/s and its throughput as
+a ratio to the plain module's, measured in the same run with plain and
+pipelined steps interleaved in pairs (see :mod:`benchmarks.common`); when
+``torchgpipe`` is importable its figures are printed beside ours.
+
+On CPU every partition is a ``'cpu'`` device and each partition's worker gets
+``max(1, cores // partitions)`` intra-op threads; the plain module gets all
+cores. On CUDA partition j is ``cuda:j`` (configurations needing more GPUs
+than there are are skipped).
+
+    python benchmarks/speed.py [--preset small|paper] [--models resnet101 unet amoebanet]
+        [--configs 1x1 2x4 2x8 4x8] [--balance time|even] [--json out.json] [--plot out.png]
+        [--timeline DIR]
+"""
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import torchpipe  # noqa: E402
+import torchpipe.trace  # noqa: E402
+from benchmarks import common, models  # noqa: E402
+
+DEFAULT_CONFIGS = {"small": ["1x1", "2x4", "2x8", "4x8"], "paper": ["1x1", "2x8", "4x16", "8x32"]}
+
+
+def parse_config(text: str) -> Tuple[int, int]:
+    """``'2x8'`` -> (2 partitions, 8 chunks)."""
+    try:
+        partitions, chunks = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a configuration is PARTITIONSxCHUNKS, like 2x8; got {text!r}") from None
+    if partitions < 1 or chunks < 1:
+        raise argparse.ArgumentTypeError(f"partitions and chunks must be positive; got {text!r}")
+    return partitions, chunks
+
+
+def even_balance(layers: int, partitions: int) -> List[int]:
+    """``layers`` split into ``partitions`` contiguous parts differing by at most one layer."""
+    return [layers // partitions + (1 if j < layers % partitions else 0) for j in range(partitions)]
+
+
+def find_balance(module: nn.Sequential, sample: torch.Tensor, partitions: int, how: str,
+                 device: torch.device, timeout: float) -> List[int]:
+    if partitions == 1:
+        return [len(module)]
+    if how == "even":
+        return even_balance(len(module), partitions)
+    from torchpipe_balancing import balance_by_time
+
+    return balance_by_time(partitions, module, sample, timeout=timeout, device=device)
+
+
+def pipeline_devices(device: torch.device, partitions: int) -> Optional[List[torch.device]]:
+    """One device per partition, or None when CUDA has too few GPUs."""
+    if device.type == "cpu":
+        return [torch.device("cpu")] * partitions
+    if torch.cuda.device_count() < partitions:
+        return None
+    return [torch.device("cuda", j) for j in range(partitions)]
+
+
+def unet_variant() -> Tuple[str, str]:
+    """The U-Net variant to benchmark: 'skip' when torchpipe.skip exists, else 'tuple'; and a note."""
+    try:
+        models.skip_api("torchpipe")
+    except ImportError:
+        return "tuple", "torchpipe.skip is not importable yet: U-Net skips carried as tuples through every layer"
+    return "skip", "U-Net with torchpipe.skip stash/pop"
+
+
+def workloads(names: Sequence[str], preset: str) -> List[Tuple[models.Workload, nn.Module, Optional[nn.Module], str]]:
+    """(pipelined Sequential, plain baseline, torchgpipe-ready Sequential or None, note) per model."""
+    out: List[Tuple[models.Workload, nn.Module, Optional[nn.Module], str]] = []
+    for name in names:
+        if name != "unet":
+            w = models.build(name, preset)
+            out.append((w, w.module, w.module, ""))
+            continue
+        variant, note = unet_variant()
+        torch.manual_seed(0)
+        w = models.unet(preset, variant)
+        torch.manual_seed(0)
+        plain = models.unet(preset, "plain").module
+        theirs: Optional[nn.Module] = w.module
+        if variant == "skip":
+            try:
+                torch.manual_seed(0)
+                theirs = models.unet(preset, "skip", api="torchgpipe").module
+            except ImportError:
+                theirs = None
+        out.append((w, plain, theirs, note))
+    return out
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    device = common.default_device(args.device)
+    threads = common.cores() if device.type == "cpu" else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    # torchgpipe runs its backward on the caller's thread and starts fresh worker threads every step;
+    # on CPU it was fastest here with 1 caller thread (its workers keep the OpenMP default).
+    tg_threads = args.tg_threads if args.tg_threads is not None else (1 if device.type == "cpu" else None)
+    configs = [parse_config(c) for c in (args.configs or DEFAULT_CONFIGS[args.preset])]
+    tg = None if args.no_torchgpipe else common.torchgpipe_module()
+    print(f"machine: {common.machine_description(device)}")
+    if device.type == "cpu":
+        print(f"CPU: plain module with {threads} intra-op threads; torchpipe partition workers with "
+              f"max(1, {threads} // partitions) threads each (the caller waits with 1); torchgpipe's caller "
+              f"with {args.tg_threads or 1} (fastest for it here)")
+    print(f"preset {args.preset}, checkpoint={args.checkpoint!r}, balance by {args.balance}, "
+          f"{args.rounds} interleaved pairs per figure (median), torchgpipe: {'yes' if tg else 'not importable'}")
+    results: Dict[str, Any] = {"preset": args.preset, "device": str(device), "checkpoint": args.checkpoint,
+                               "balance_by": args.balance, "threads": threads, "models": {}}
+    for workload, plain_module, theirs_module, note in workloads(args.models, args.preset):
+        if note:
+            print(f"note: {note}")
+        sample = workload.sample(device=device)
+        plain = plain_module.to(device)
+        plain_step = common.Variant("plain", common.train_step(plain, sample), threads)
+        sequential = workload.module
+        assert isinstance(sequential, nn.Sequential)
+        rows: List[Dict[str, Any]] = []
+        balances: Dict[int, List[int]] = {}
+        for partitions, chunks in configs:
+            devices = pipeline_devices(device, partitions)
+            if devices is None or partitions > len(sequential):
+                print(f"{workload.name} {partitions}x{chunks}: skipped (needs {partitions} devices/layers)")
+                continue
+            if partitions not in balances:
+                balances[partitions] = find_balance(sequential, sample, partitions, args.balance, device,
+                                                    args.balance_timeout)
+            balance = balances[partitions]
+            variants = []
+            with common.intra_op_threads(threads):  # workers take their share of the caller's threads
+                ours = torchpipe.GPipe(copy.deepcopy(sequential), balance, devices=devices, chunks=chunks,
+                                       checkpoint=args.checkpoint)
+                ours_step = common.train_step(ours, sample)
+                ours_step()  # starts the workers under `threads`
+            variants.append(common.Variant("torchpipe", ours_step, 1 if device.type == "cpu" else None))
+            if tg is not None and theirs_module is not None:
+                theirs = tg.GPipe(copy.deepcopy(theirs_module), balance, devices=devices, chunks=chunks,
+                                  checkpoint=args.checkpoint)
+                variants.append(common.Variant("torchgpipe", common.train_step(theirs, sample), tg_threads))
+            compared = common.compare(plain_step, variants, rounds=args.rounds, warmup=args.warmup, device=device,
+                                      desc=f"{workload.name} {partitions}x{chunks}", quiet=args.quiet)
+            row: Dict[str, Any] = {"partitions": partitions, "chunks": chunks, "balance": balance}
+            for c in compared:
+                row[c.name] = {"samples_per_s": workload.batch / c.seconds, "plain_samples_per_s":
+                               workload.batch / c.plain_seconds, "throughput_ratio": 1.0 / c.ratio,
+                               "time_ratio": c.ratio, "seconds": c.seconds, "plain_seconds": c.plain_seconds}
+            rows.append(row)
+            if args.timeline and partitions > 1 and not any(r.get("timeline") for r in rows):
+                row["timeline"] = save_timeline(ours, sample, Path(args.timeline), f"{workload.name}-{partitions}x"
+                                                f"{chunks}")
+            del variants, ours
+        print_model(workload, rows)
+        results["models"][workload.name] = {"batch": workload.batch, "input_shape": list(workload.input_shape),
+                                            "layers": len(sequential), "note": note, "configs": rows}
+    return results
+
+
+def save_timeline(model: nn.Module, sample: torch.Tensor, folder: Path, name: str) -> str:
+    """Records one training step's pipeline timeline; saves it as PNG and Chrome trace; returns the PNG path."""
+    with common.intra_op_threads(1), torchpipe.trace.record_timeline() as timeline:
+        common.train_step(model, sample)()
+    png = folder / f"{name}.png"
+    timeline.save_png(png, title=f"{name}: one training step (number: micro-batch)")
+    timeline.save_chrome_trace(folder / f"{name}.json")
+    print(f"timeline: {png}")
+    return str(png)
+
+
+def print_model(workload: models.Workload, rows: Sequence[Dict[str, Any]]) -> None:
+    if not rows:
+        return
+    plain_rate = sorted(r["torchpipe"]["plain_samples_per_s"] for r in rows)[len(rows) // 2]
+    layers = len(list(workload.module.children()))
+    print(f"\n{workload.name} (batch {workload.batch}, {layers} layers): plain {plain_rate:.1f} samples/s "
+          "(median over the run)")
+    table = []
+    for r in rows:
+        ours, theirs = r["torchpipe"], r.get("torchgpipe")
+        table.append([f"{r['partitions']}x{r['chunks']}", ",".join(map(str, r["balance"])),
+                      ours["samples_per_s"], ours["throughput_ratio"],
+                      theirs["samples_per_s"] if theirs else None, theirs["throughput_ratio"] if theirs else None])
+    print(common.format_table(["partitions x chunks", "balance", "torchpipe/s", "x plain", "torchgpipe/s",
+                               "x plain"], table))
+    print("(x plain: throughput / the plain module's, median of interleaved pairs; > 1 is faster)", flush=True)
+
+
+def plot(results: Dict[str, Any], path: str) -> None:
+    groups: Dict[str, Dict[str, float]] = {}
+    for name, model in results["models"].items():
+        bars: Dict[str, float] = {}
+        for r in model["configs"]:
+            for lib in ("torchpipe", "torchgpipe"):
+                if lib in r:
+                    bars[f"{lib} {r['partitions']}x{r['chunks']}"] = r[lib]["throughput_ratio"]
+        groups[name] = bars
+    common.bar_plot(path, groups, title=f"throughput / plain module ({results['preset']} preset, "
+                    f"{results['device']})\n{common.machine_description()}", ylabel="x plain", reference=1.0)
+    print(f"plot: {path}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--preset", choices=models.PRESETS, default="small")
+    parser.add_argument("--models", nargs="+", choices=list(models.MODELS), default=list(models.MODELS))
+    parser.add_argument("--configs", nargs="+", default=None, help="PARTITIONSxCHUNKS, e.g. 2x8 (default per preset)")
+    parser.add_argument("--checkpoint", choices=["always", "except_last", "never"], default="except_last")
+    parser.add_argument("--balance", choices=["time", "even"], default="time",
+                        help="torchpipe_balancing.balance_by_time, or an even split of layers")
+    parser.add_argument("--balance-timeout", type=float, default=0.5, help="profiling time for balance_by_time")
+    parser.add_argument("--rounds", type=int, default=5, help="timed (plain, pipelined) pairs per figure")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--no-torchgpipe", action="store_true", help="skip torchgpipe even if importable")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    parser.add_argument("--timeline", default=None, help="folder for a timeline PNG + Chrome trace per model")
+    parser.add_argument("--tg-threads", type=int, default=None,
+                        help="intra-op threads of torchgpipe's caller on CPU (default 1)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    results = run(args)
+    if args.json:
+        common.save_json(args.json, results)
+        print(f"json: {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+if __name__ == "__main__":
+    main()
