@@ -15,7 +15,7 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench,docs]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -30,10 +30,15 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q
 
-test: lint typecheck unit
+# The whole suite, as CI runs it (.ci/run): lint, types, tests, and the docs with warnings as errors.
+test: lint typecheck unit docs
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
+# The Sphinx site, into docs/_build/html; any warning fails the build.
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis docs/_build

@@ -23,6 +23,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "mypy>=1.8", "ruff>=0.4"],
         "bench": ["tqdm>=4", "matplotlib>=3.5"],
+        "docs": ["sphinx>=7", "myst-parser>=2", "furo>=2023.9.10"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

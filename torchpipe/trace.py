@@ -203,7 +203,7 @@ class Timeline:
         width_ms = max((finish - origin) * 1e3, 1e-3)
 
         # Pyplot-free (Figure + Agg canvas): no global state, no GUI backend, safe in worker threads.
-        figure = Figure(figsize=(max(8.0, min(24.0, 2.0 + 0.25 * len(spans) / rows)), 1.0 + 0.6 * rows))
+        figure = Figure(figsize=(max(9.0, min(24.0, 3.0 + 0.25 * len(spans) / rows)), 1.4 + 0.5 * rows))
         FigureCanvasAgg(figure)
         axes = figure.add_subplot()
         renderer_width_px = figure.get_figwidth() * dpi * 0.8
@@ -223,8 +223,7 @@ class Timeline:
         kinds = [k for k in KINDS if any(s.kind == k for s in spans)]
         if kinds:
             axes.legend(handles=[Patch(facecolor=COLORS[k], label=k) for k in kinds],
-                        loc="upper center", bbox_to_anchor=(0.5, -0.25 if rows > 1 else -0.5), ncol=len(kinds),
-                        frameon=False)
+                        loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         axes.set_title(title if title is not None else "torchpipe timeline (number: micro-batch)")
         figure.tight_layout()
         _make_parent(path)
