@@ -10,16 +10,18 @@ printed beside ours, measured in the same run.
     python benchmarks/overhead.py [--rounds 15] [--json out.json]
 """
 import argparse
-import json
-import platform
-import statistics
-import time
-from typing import Callable, Dict, List, Optional, Tuple
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
-import torch
-from torch import nn
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torchpipe
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import torchpipe  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 CONFIGS: List[Tuple[str, List[int], int, str]] = [
     ("1 partition, chunks=1, never", [32 * 2], 1, "never"),
@@ -38,29 +40,22 @@ def mlp(layers: int = 32, width: int = 512) -> nn.Sequential:
     return nn.Sequential(*modules)
 
 
-def train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], float]:
-    def step() -> float:
-        start = time.perf_counter()
+def train_step(model: nn.Module, x: torch.Tensor) -> common.Step:
+    """Forward, ``sum().backward()``, drop the grads (the issue's step)."""
+
+    def step() -> None:
         model(x).sum().backward()
-        elapsed = time.perf_counter() - start
         for p in model.parameters():
             p.grad = None
-        return elapsed
 
     return step
 
 
-def ratio(plain: Callable[[], float], other: Callable[[], float], rounds: int, warmup: int = 2) -> Tuple[float, float]:
-    for _ in range(warmup):
-        plain()
-        other()
-    ratios, plain_times = [], []
-    for _ in range(rounds):
-        a = plain()
-        b = other()
-        ratios.append(b / a)
-        plain_times.append(a)
-    return statistics.median(ratios), statistics.median(plain_times)
+def ratio(plain: common.Step, other: common.Step, rounds: int, warmup: int = 2) -> Tuple[float, float]:
+    """(median of the interleaved pairs' ratios, median plain step time) via :func:`common.compare`."""
+    [result] = common.compare(common.Variant("plain", plain), [common.Variant("other", other)], rounds=rounds,
+                              warmup=warmup, quiet=True)
+    return result.ratio, result.plain_seconds
 
 
 def build(kind: str, balance: List[int], chunks: int, checkpoint: str) -> Optional[nn.Module]:
@@ -72,11 +67,11 @@ def build(kind: str, balance: List[int], chunks: int, checkpoint: str) -> Option
         import torchgpipe
     except ImportError:
         return None
-    return torchgpipe.GPipe(model, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)  # type: ignore[no-any-return]
+    return torchgpipe.GPipe(model, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -84,8 +79,7 @@ def main() -> None:
     torch.set_num_threads(1)
     x = torch.randn(args.batch, 512)
     plain = train_step(mlp(), x)
-    print(f"machine: {platform.machine()}, {torch.get_num_threads()} intra-op thread, "
-          f"{__import__('os').cpu_count()} cores, torch {torch.__version__}")
+    print(f"machine: {common.machine_description()}; {torch.get_num_threads()} intra-op thread")
     results: Dict[str, Dict[str, float]] = {}
     header = f"{'configuration':40s} {'torchpipe':>10s} {'goal':>6s} {'torchgpipe':>11s}"
     print(header)
@@ -102,10 +96,10 @@ def main() -> None:
         tg = f"{row['torchgpipe']:11.3f}" if "torchgpipe" in row else f"{'n/a':>11s}"
         print(f"{name:40s} {row['torchpipe']:10.3f} {GOALS[index]:6.2f} {tg}", flush=True)
         del ours, theirs
-    print(f"(ratios: median step time / plain step time; plain step median {results[CONFIGS[0][0]]['plain_s']*1e3:.0f} ms)")
+    plain_ms = results[CONFIGS[0][0]]["plain_s"] * 1e3
+    print(f"(ratios: median step time / plain step time; plain step median {plain_ms:.0f} ms)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        common.save_json(args.json, {"ratios": results, "goals": {CONFIGS[i][0]: g for i, g in GOALS.items()}})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""U-Net skip benchmark (issue 3): long skips carried as tuples through every layer versus ``torchpipe.skip``.
+
+Builds the same U-Net three ways (same layers, same weights; see
+:mod:`benchmarks.models`): the plain module (skips kept by its ``forward``),
+an ``nn.Sequential`` passing ``(x, skip_0, skip_1, ...)`` through every layer
+and partition boundary, and an ``nn.Sequential`` of ``@skippable`` layers
+(``stash``/``pop``), whose skips travel straight from the stashing partition
+to the popping one. Prints each GPipe variant's training-step time as a ratio
+to the plain module's, interleaved in pairs in one run (medians), on CPU with
+``'cpu'`` partitions; torchgpipe's stash/pop beside ours when importable.
+
+    python benchmarks/unet_skip.py [--preset small] [--configs 2x8 4x8] [--checkpoint except_last] [--json out.json]
+"""
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import torchpipe  # noqa: E402
+from benchmarks import common, models  # noqa: E402
+from benchmarks.speed import even_balance, find_balance, parse_config  # noqa: E402
+
+
+def build_variants(preset: str) -> Dict[str, nn.Module]:
+    """'plain', 'tuple' and (where importable) 'skip' and 'skip-torchgpipe' U-Nets with equal weights."""
+    torch.manual_seed(0)
+    built: Dict[str, nn.Module] = {"plain": models.unet(preset, "plain").module}
+    for key, variant, api in [("tuple", "tuple", "torchpipe"), ("skip", "skip", "torchpipe"),
+                              ("skip-torchgpipe", "skip", "torchgpipe")]:
+        try:
+            module = models.unet(preset, variant, api=api).module
+        except ImportError:
+            continue
+        models.copy_weights(built["plain"], module)
+        built[key] = module
+    return built
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--preset", choices=models.PRESETS, default="small")
+    parser.add_argument("--configs", nargs="+", default=["2x8", "4x8"], help="PARTITIONSxCHUNKS")
+    parser.add_argument("--checkpoint", choices=["always", "except_last", "never"], default="except_last")
+    parser.add_argument("--balance", choices=["time", "even"], default="even",
+                        help="the same balance is used for every variant")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cpu")
+    threads = common.cores()
+    torch.set_num_threads(threads)
+    built = build_variants(args.preset)
+    shape = models.unet(args.preset, "plain").input_shape
+    sample = torch.randn(shape)
+    tg = common.torchgpipe_module()
+    print(f"machine: {common.machine_description(device)}")
+    layers = len(list(built["tuple"].children()))
+    print(f"U-Net {args.preset} (batch {shape[0]}, {layers} layers), checkpoint={args.checkpoint!r}, "
+          f"plain module with {threads} threads, each partition's worker max(1, {threads} // partitions); "
+          f"variants: {', '.join(k for k in built if k != 'plain')}")
+    plain = common.Variant("plain", common.train_step(built["plain"], sample), threads)
+    rows: List[List[Any]] = []
+    results: Dict[str, Any] = {"preset": args.preset, "checkpoint": args.checkpoint, "configs": []}
+    for text in args.configs:
+        partitions, chunks = parse_config(text)
+        tuple_seq = built["tuple"]
+        assert isinstance(tuple_seq, nn.Sequential)
+        balance = (find_balance(tuple_seq, sample, partitions, "time", device, 0.5) if args.balance == "time"
+                   else even_balance(len(tuple_seq), partitions))
+        variants: List[common.Variant] = []
+        for key in ("tuple", "skip"):
+            if key not in built:
+                continue
+            with common.intra_op_threads(threads):
+                layers = copy.deepcopy(built[key])
+                assert isinstance(layers, nn.Sequential)
+                pipe = torchpipe.GPipe(layers, balance, devices=["cpu"] * partitions,
+                                       chunks=chunks, checkpoint=args.checkpoint)
+                step = common.train_step(pipe, sample)
+                step()
+            variants.append(common.Variant(f"torchpipe {key}", step, 1))
+        if tg is not None and "skip-torchgpipe" in built:
+            theirs = tg.GPipe(copy.deepcopy(built["skip-torchgpipe"]), balance, devices=["cpu"] * partitions,
+                              chunks=chunks, checkpoint=args.checkpoint)
+            variants.append(common.Variant("torchgpipe skip", common.train_step(theirs, sample), 1))
+        compared = {c.name: c for c in common.compare(plain, variants, rounds=args.rounds, warmup=args.warmup,
+                                                        desc=f"unet {text}", quiet=args.quiet)}
+        ratios = [compared[n].ratio if n in compared else None
+                  for n in ("torchpipe tuple", "torchpipe skip", "torchgpipe skip")]
+        rows.append([text, ",".join(map(str, balance)), *ratios])
+        results["configs"].append({"partitions": partitions, "chunks": chunks, "balance": balance,
+                                   **{name: c.as_dict() for name, c in compared.items()}})
+    print(common.format_table(["partitions x chunks", "balance", "tuple / plain", "stash/pop / plain",
+                               "torchgpipe stash/pop / plain"], rows))
+    print("(step time / the plain module's step time, median of interleaved pairs; < 1 is faster)", flush=True)
+    if args.json:
+        common.save_json(args.json, results)
+        print(f"json: {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
