@@ -64,8 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     sample = torch.randn(shape)
     tg = common.torchgpipe_module()
     print(f"machine: {common.machine_description(device)}")
-    layers = len(list(built["tuple"].children()))
-    print(f"U-Net {args.preset} (batch {shape[0]}, {layers} layers), checkpoint={args.checkpoint!r}, "
+    depth = len(list(built["tuple"].children()))
+    print(f"U-Net {args.preset} (batch {shape[0]}, {depth} layers), checkpoint={args.checkpoint!r}, "
           f"plain module with {threads} threads, each partition's worker max(1, {threads} // partitions); "
           f"variants: {', '.join(k for k in built if k != 'plain')}")
     plain = common.Variant("plain", common.train_step(built["plain"], sample), threads)

@@ -1,0 +1,125 @@
+"""The benchmarks import, their models build and train on a tiny batch, and the U-Net variants agree.
+
+No timing is asserted: these only keep the benchmark code from rotting.
+"""
+import importlib
+import sys
+from pathlib import Path
+from typing import Tuple
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common, models  # noqa: E402
+
+MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all"]
+
+
+def has(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_benchmark_module_imports(name: str) -> None:
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.__doc__
+
+
+def tiny(shape: Tuple[int, ...], batch: int = 2) -> torch.Tensor:
+    return torch.randn((batch,) + shape[1:])
+
+
+@pytest.mark.parametrize("name", ["resnet101", "amoebanet"])
+def test_model_builders_train_on_a_tiny_batch(name: str) -> None:
+    workload = models.build(name, "small")
+    assert isinstance(workload.module, nn.Sequential)
+    x = tiny(workload.input_shape)
+    output = workload.module(x)
+    assert output.shape[0] == 2
+    output.mean().backward()
+    assert all(p.grad is not None for p in workload.module.parameters())
+
+
+@pytest.mark.parametrize("variant", ["plain", "tuple", "skip"])
+def test_unet_variants_build_and_train(variant: str) -> None:
+    if variant == "skip" and not has("torchpipe.skip"):
+        pytest.skip("torchpipe.skip is not importable yet")
+    workload = models.unet("small", variant)
+    x = tiny(workload.input_shape)
+    output = workload.module(x)
+    assert output.shape == (2, 1) + workload.input_shape[2:]
+    output.mean().backward()
+
+
+def test_unet_variants_agree_given_the_same_weights() -> None:
+    torch.manual_seed(0)
+    workload = models.unet("small", "plain")
+    reference = workload.module
+    x = tiny(workload.input_shape)
+    apis = ["torchpipe", "torchgpipe"]
+    built = {"tuple": models.unet("small", "tuple").module}
+    for api in apis:
+        if has(f"{api}.skip"):
+            built[f"skip-{api}"] = models.unet("small", "skip", api=api).module
+    x.requires_grad_(True)
+    expected = reference(x)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    for name, module in built.items():
+        models.copy_weights(reference, module)
+        output = module(x)
+        (grad,) = torch.autograd.grad(output.sum(), x)
+        torch.testing.assert_close(output, expected, msg=f"{name} output differs from the plain U-Net")
+        torch.testing.assert_close(grad, expected_grad, msg=f"{name} input grad differs from the plain U-Net")
+
+
+def test_same_seed_gives_the_same_unet_weights() -> None:
+    torch.manual_seed(0)
+    plain = models.unet("small", "plain").module
+    torch.manual_seed(0)
+    carried = models.unet("small", "tuple").module
+    for a, b in zip(plain.parameters(), carried.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["tuple", "skip"])
+def test_unet_under_gpipe_equals_plain(variant: str) -> None:
+    if variant == "skip" and not has("torchpipe.skip"):
+        pytest.skip("torchpipe.skip is not importable yet")
+    import torchpipe
+
+    torch.manual_seed(0)
+    plain = models.unet("small", "plain").module.eval()
+    sequential = models.unet("small", variant).module
+    models.copy_weights(plain, sequential)
+    assert isinstance(sequential, nn.Sequential)
+    pipe = torchpipe.GPipe(sequential.eval(), [10, 10, 7], devices=["cpu"] * 3, chunks=2)
+    x = tiny(models.unet("small", "plain").input_shape, batch=4)
+    torch.testing.assert_close(pipe(x), plain(x))
+
+
+def test_common_compare_and_table() -> None:
+    calls = []
+    plain = common.Variant("plain", lambda: calls.append("p"))
+    other = common.Variant("other", lambda: calls.append("o"), threads=1)
+    [result] = common.compare(plain, [other], rounds=3, warmup=1, quiet=True)
+    assert calls == ["p", "o"] * 4
+    assert result.name == "other" and len(result.ratios) == 3
+    table = common.format_table(["a", "b"], [["x", 1.5], ["y", None]])
+    assert "1.500" in table and "n/a" in table
+    assert "torch" in common.machine_description()
+
+
+def test_speed_helpers() -> None:
+    from benchmarks import speed
+
+    assert speed.parse_config("2x8") == (2, 8)
+    assert speed.even_balance(10, 3) == [4, 3, 3]
