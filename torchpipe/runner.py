@@ -337,6 +337,7 @@ class Pipeline:
             atomic = batch.atomic
         else:
             message = self._receive(step, ("act", i, j), j)
+            trace.mark_start()  # the timeline shows the work, not the wait for the input
             tensors = [t for t in message.tensors if t is not None]
             flags, atomic = message.requires_grad, message.atomic
         leaves = _make_leaves(tensors, [f and step.grad_enabled for f in flags])
@@ -364,6 +365,7 @@ class Pipeline:
             flags = tuple(_is_differentiable(t) for t in out.values)
         else:
             flags = tuple(t.requires_grad for t in out.values)
+        trace.mark_end()
         self._pass_on(step, i, j, out, flags)
 
     def _recompute(self, step: Step, i: int, j: int) -> None:
@@ -377,6 +379,7 @@ class Pipeline:
 
     def _backward(self, step: Step, i: int, j: int) -> None:
         message = self._receive(step, ("grad", i, j), j)
+        trace.mark_start()
         leaves, _ = step.leaves.pop((i, j))
         out = step.outputs.pop((i, j))
         roots, grads = [], []
@@ -399,6 +402,7 @@ class Pipeline:
             # graph to an earlier partition's, whose own backward then runs through it again.
             torch.autograd.backward(roots, grads, retain_graph=True)
         del roots, grads, out
+        trace.mark_end()
         if layout:
             for ns, name in layout.pops_from_before[j]:
                 leaf = step.skips.popped.pop((i, ns, name), None)
