@@ -20,7 +20,7 @@ def commands(out: Path, preset: str) -> Dict[str, List[str]]:
     return {
         "speed": [str(here / "speed.py"), "--preset", preset, "--json", str(out / "speed.json"),
                   "--plot", str(out / "speed.png"), "--timeline", str(out / "timeline")],
-        "memory": [str(here / "memory.py"), "--preset", preset, "--budget-mb", "64", "--budget-models", "unet",
+        "memory": [str(here / "memory.py"), "--preset", preset, "--budget-mb", "256", "--budget-models", "unet",
                    "--json", str(out / "memory.json"), "--plot", str(out / "memory.png")],
         "unet_skip": [str(here / "unet_skip.py"), "--preset", preset, "--json", str(out / "unet_skip.json")],
         "overhead": [str(here / "overhead.py"), "--json", str(out / "overhead.json")],
