@@ -156,8 +156,8 @@ def _unet_layers(preset: str) -> Tuple[List[Tuple[str, Optional[nn.Module], int]
     """
     _check_preset(preset)
     # paper: torchgpipe's U-Net benchmark sizes (5 levels, 64 base channels, 192x192);
-    # small: 3 levels, 8 base channels, 32x32.
-    levels, base, size, batch = (5, 64, 192, 32) if preset == "paper" else (3, 8, 32, 32)
+    # small: 3 levels, 16 base channels, 48x48.
+    levels, base, size, batch = (5, 64, 192, 32) if preset == "paper" else (3, 16, 48, 32)
     spec: List[Tuple[str, Optional[nn.Module], int]] = []
     cin = 3
     for level in range(levels):
@@ -253,7 +253,7 @@ def unet(preset: str = "small", variant: str = "skip", *, api: str = "torchpipe"
     """A U-Net with long skip connections; ``variant`` is 'plain', 'tuple' or 'skip' (see the module doc).
 
     ``paper``: 5 levels, 64 base channels, 192x192 images, batch 32.
-    ``small``: 3 levels, 8 base channels, 32x32 images, batch 32.
+    ``small``: 3 levels, 16 base channels, 48x48 images, batch 32.
     ``api`` picks the skip module for the ``'skip'`` variant: ``'torchpipe'`` or ``'torchgpipe'``.
     The variants create the same layers in the same order, so after the same
     ``torch.manual_seed`` they hold the same weights.
