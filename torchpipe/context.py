@@ -19,10 +19,13 @@ class MicroBatch:
     so a ``weakref.WeakKeyDictionary`` keyed by it empties itself.
     """
 
-    __slots__ = ("index", "__weakref__")
+    __slots__ = ("index", "observed", "__weakref__")
 
     def __init__(self, index: int) -> None:
         self.index = index
+        #: Whether a layer asked for it (see the runner's backward: a tensor kept by hand under
+        #: this key may join two partitions' graphs).
+        self.observed = False
 
     def __repr__(self) -> str:
         return f"MicroBatch({self.index})"
@@ -51,7 +54,10 @@ def current_microbatch() -> Optional[MicroBatch]:
     ``None`` outside GPipe. Use it as a dict key (or a weak key) to pass
     tensors between layers per micro-batch; see the user guide.
     """
-    return _context.microbatch
+    microbatch = _context.microbatch
+    if microbatch is not None:
+        microbatch.observed = True
+    return microbatch
 
 
 def is_checkpointing() -> bool:

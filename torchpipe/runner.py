@@ -398,9 +398,12 @@ class Pipeline:
                     roots.append(stashed)
                     grads.append(skip_grad)
         if roots:
-            # retain_graph: a tensor stashed by hand under current_microbatch() may join this
-            # graph to an earlier partition's, whose own backward then runs through it again.
-            torch.autograd.backward(roots, grads, retain_graph=True)
+            # A tensor a layer kept by hand under current_microbatch() (the user guide's skip dict)
+            # may join this graph to an earlier partition's, whose own backward then runs through
+            # the same nodes again: keep the graph then. Otherwise free it as backward goes, as
+            # the plain module does.
+            key = step.keys[i]
+            torch.autograd.backward(roots, grads, retain_graph=key is not None and key.observed)
         del roots, grads, out
         trace.mark_end()
         if layout:
