@@ -1,5 +1,4 @@
 """Tests of the pipeline timeline (torchpipe/trace.py): what is recorded, its order, and its exports."""
-import inspect
 import json
 import sys
 import threading
@@ -12,7 +11,6 @@ import torch
 from torch import nn
 
 import torchpipe
-import torchpipe.runner
 from torchpipe import trace
 from torchpipe.checkpoint import checkpoint_stop
 from torchpipe.schedule import Kind, fill_drain, parse
@@ -67,14 +65,8 @@ def test_tasks_on_one_partition_do_not_overlap(recorded: Tuple[trace.Timeline, t
             assert after.start >= before.end, (before, after)
 
 
-# The runner marks a task's hand-over with trace.mark_end() (and the arrival of its input with
-# trace.mark_start()); until it does, a task's span closes only after the hand-over, and on a
-# busy machine the task that took the hand-over can finish first.
-RUNNER_MARKS = "trace.mark_end" in inspect.getsource(torchpipe.runner)
-
-
-@pytest.mark.xfail(not RUNNER_MARKS, strict=False,
-                   reason="the runner does not call trace.mark_end before a hand-over yet")
+# The runner marks when a task's input arrived (trace.mark_start) and when its output leaves
+# (trace.mark_end), so a task that takes a hand-over starts after the task that made it ended.
 def test_forward_starts_after_previous_partition_and_backward_after_next(
     recorded: Tuple[trace.Timeline, torchpipe.GPipe],
 ) -> None:
