@@ -305,7 +305,20 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def cpu_peak_rss_bytes() -> int:
-    """This process's peak resident set size so far, in bytes (``ru_maxrss``)."""
+    """This process's peak resident set size so far, in bytes.
+
+    On Linux this is ``VmHWM`` from ``/proc/self/status``, the peak of this
+    process's own address space. ``getrusage``'s ``ru_maxrss`` is not used
+    there: Linux carries it over fork and exec, so a child of a large parent
+    would report at least the parent's size. Elsewhere, ``ru_maxrss``.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -316,8 +329,8 @@ def cpu_peak_rss_bytes() -> int:
 def run_in_child(target: str, kwargs: Mapping[str, Any], *, timeout: float = 600.0) -> Any:
     """Runs ``module:function(**kwargs)`` in a fresh Python process and returns its JSON-able result.
 
-    A fresh process per call is what makes ``ru_maxrss`` a per-measurement
-    peak. The child's intra-op thread count is inherited through
+    A fresh process per call is what makes :func:`cpu_peak_rss_bytes` a
+    per-measurement peak. The child's intra-op thread count is inherited through
     ``OMP_NUM_THREADS`` only if the caller set it; the function decides.
 
     Raises:

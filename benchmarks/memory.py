@@ -1,8 +1,8 @@
 """Memory benchmark: peak training-step memory per checkpoint mode and chunks, and the largest batch in a budget.
 
 Every measurement runs in a fresh child process. On CPU the figure is the
-step's peak resident set size (``ru_maxrss``) minus the same process's
-``ru_maxrss`` after torch, the model, its GPipe wrapper and the input exist
+step's peak resident set size (VmHWM) minus the same process's
+peak after torch, the model, its GPipe wrapper and the input exist
 and one warm-up step on a tiny batch (two samples per micro-batch) has run, so
 that lazy initialisation, worker threads and their malloc arenas are in the
 baseline (measured the same way); then two steps run, so gradients and
@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parser.parse_args(argv)
     args.device = str(common.default_device(args.device))
     args.torchgpipe = not args.no_torchgpipe and common.torchgpipe_module() is not None
-    how = ("peak RSS (ru_maxrss) of a child process minus its ru_maxrss after a tiny warm-up step"
+    how = ("peak RSS (VmHWM) of a child process minus its peak after a tiny warm-up step"
            if args.device == "cpu" else "torch.cuda.max_memory_allocated minus memory_allocated before the step")
     print(f"machine: {common.machine_description(torch.device(args.device))}")
     print(f"preset {args.preset}, {args.partitions} partitions (even split), memory = {how}; "
