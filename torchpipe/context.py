@@ -5,8 +5,7 @@ read it. The runner enters a context around every task it runs, on whatever
 thread runs it, so layers see the right values in every partition.
 """
 import threading
-from contextlib import contextmanager
-from typing import Any, Generator, Optional
+from typing import Any, Optional, Tuple
 
 __all__ = ["MicroBatch", "current_microbatch", "is_checkpointing", "is_recomputing", "task_context", "current"]
 
@@ -78,21 +77,28 @@ def is_recomputing() -> bool:
     return _context.recomputing
 
 
-@contextmanager
-def task_context(
-    microbatch: Optional[MicroBatch],
-    *,
-    checkpointing: bool = False,
-    recomputing: bool = False,
-    skips: Any = None,
-) -> Generator[None, None, None]:
-    """Sets the calling thread's context for the duration of one task."""
-    saved = (_context.microbatch, _context.checkpointing, _context.recomputing, _context.skips)
-    _context.microbatch = microbatch
-    _context.checkpointing = checkpointing
-    _context.recomputing = recomputing
-    _context.skips = skips
-    try:
-        yield
-    finally:
-        _context.microbatch, _context.checkpointing, _context.recomputing, _context.skips = saved
+class task_context:
+    """Sets the calling thread's context for the duration of one task (a context manager).
+
+    A class rather than a generator: the runner enters one per task.
+    """
+
+    __slots__ = ("values", "saved")
+
+    def __init__(
+        self,
+        microbatch: Optional[MicroBatch],
+        *,
+        checkpointing: bool = False,
+        recomputing: bool = False,
+        skips: Any = None,
+    ) -> None:
+        self.values = (microbatch, checkpointing, recomputing, skips)
+        self.saved: Tuple[Optional[MicroBatch], bool, bool, Any] = (None, False, False, None)
+
+    def __enter__(self) -> None:
+        self.saved = (_context.microbatch, _context.checkpointing, _context.recomputing, _context.skips)
+        _context.microbatch, _context.checkpointing, _context.recomputing, _context.skips = self.values
+
+    def __exit__(self, *exc: object) -> None:
+        _context.microbatch, _context.checkpointing, _context.recomputing, _context.skips = self.saved

@@ -24,6 +24,7 @@ for what its next action needs. If any action fails, the mailbox is aborted,
 every waiting worker gives up, and the caller re-raises the first failure
 with its own type and message.
 """
+import contextlib
 import functools
 import threading
 import weakref
@@ -33,6 +34,7 @@ from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Se
 
 import torch
 from torch import Tensor, nn
+from torch._C._autograd import _profiler_enabled
 from torch.autograd.profiler import record_function
 
 from torchpipe import microbatch, trace, transfer
@@ -292,11 +294,16 @@ class Pipeline:
 
     def _execute(self, step: Step, action: Action) -> None:
         j, kind = action.partition, action.kind
-        label = f"torchpipe/part{j}/mb{action.microbatch}/{_LABELS[kind]}"
         # Forward and recomputation run in the caller's grad / inference / autocast state (thread-local
         # in PyTorch, so captured on the caller's thread); a recomputation always with grad.
         context = step.context.entered(grad_enabled=True) if kind is Kind.RECOMPUTE else step.context.entered()
-        with use_device(self.devices[j]), use_stream(step.streams[j]), record_function(label), trace.span(
+        # record_function costs microseconds even with no profiler: label the task only when one runs.
+        profiled = (
+            record_function(f"torchpipe/part{j}/mb{action.microbatch}/{_LABELS[kind]}")
+            if _profiler_enabled()
+            else _NOT_PROFILED
+        )
+        with use_device(self.devices[j]), use_stream(step.streams[j]), profiled, trace.span(
             _LABELS[kind], j, action.microbatch
         ):
             if kind is Kind.FORWARD:
@@ -451,6 +458,8 @@ class Pipeline:
             values = [transfer.move(t, device) for t in detached if t is not None]
             step.results[i] = Batch.of(values, out.atomic)
 
+
+_NOT_PROFILED = contextlib.nullcontext()
 
 _LABELS = {Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward"}
 

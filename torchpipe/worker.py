@@ -25,7 +25,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Generator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -77,13 +77,21 @@ class ThreadContext:
         autocast = tuple((kind, *_autocast_state(kind)) for kind in _AUTOCAST_TYPES)
         return ThreadContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
 
+    def entered(self, *, grad_enabled: Optional[bool] = None) -> ContextManager[None]:
+        """Runs the block in this state (``grad_enabled`` overrides the captured grad mode).
+
+        The common case, no inference mode and no autocast, costs one grad-mode switch.
+        """
+        grad = self.grad_enabled if grad_enabled is None else grad_enabled
+        if not self.inference_mode and not any(enabled for _, enabled, _ in self.autocast):
+            return torch.enable_grad() if grad else torch.no_grad()
+        return self._entered(grad)
+
     @contextlib.contextmanager
-    def entered(self, *, grad_enabled: Optional[bool] = None) -> Generator[None, None, None]:
-        """Runs the block in this state (``grad_enabled`` overrides the captured grad mode)."""
+    def _entered(self, grad: bool) -> Generator[None, None, None]:
         with contextlib.ExitStack() as stack:
             if self.inference_mode:
                 stack.enter_context(torch.inference_mode(True))
-            grad = self.grad_enabled if grad_enabled is None else grad_enabled
             stack.enter_context(torch.set_grad_enabled(grad))
             for kind, enabled, dtype in self.autocast:
                 if enabled:
