@@ -32,7 +32,10 @@ def verify_skippables(module: nn.Sequential) -> None:
         label = f"layer {where} ({type(layer).__name__})"
         for key in layer.popped():
             if key not in stashed:
-                problems.append(f"{label} pops {key[1]!r} ({key[0]}), which no earlier layer stashes")
+                problems.append(
+                    f"{key[1]!r} ({key[0]}) is popped but never stashed: {label} pops it and "
+                    "no earlier layer stashes it"
+                )
             popped.setdefault(key, []).append(label)
         for key in layer.stashed():
             stashed.setdefault(key, []).append(label)
@@ -43,7 +46,9 @@ def verify_skippables(module: nn.Sequential) -> None:
                 "give each use its own namespace with .isolate(Namespace())"
             )
         if key not in popped:
-            problems.append(f"{labels[0]} stashes {key[1]!r} ({key[0]}), which no later layer pops")
+            problems.append(
+                f"{key[1]!r} ({key[0]}) is stashed but never popped: {labels[0]} stashes it and no later layer pops it"
+            )
     for key, labels in popped.items():
         if len(labels) > 1:
             problems.append(
