@@ -394,3 +394,13 @@ def test_inference_mode() -> None:
     with torch.inference_mode():
         out = model(torch.randn(4, 4))
     assert out.is_inference() and not out.requires_grad
+
+
+def test_numpy_balance_and_chunks_are_accepted_as_plain_ints() -> None:
+    import numpy as np
+
+    model = GPipe(mlp(1), np.array([1, 1]), devices=["cpu", "cpu"], chunks=np.int64(2))
+    assert model.balance == [1, 1] and all(type(b) is int for b in model.balance)
+    assert model.chunks == 2 and type(model.chunks) is int
+    with pytest.raises(BalanceError):
+        GPipe(mlp(1), 2, devices=["cpu", "cpu"])  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
 """The GPipe module: arguments, the container protocol, and the forward entry of a pipelined step."""
+import numbers
 from typing import Any, Iterator, List, Optional, Sequence, Union, cast
 
 import torch
@@ -76,8 +77,9 @@ class GPipe(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+        if not isinstance(chunks, numbers.Integral) or isinstance(chunks, bool) or chunks <= 0:
             raise ValueError(f"number of chunks must be a positive int, got {chunks!r}")
+        chunks = int(chunks)
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
         verify_module(module)
@@ -91,9 +93,9 @@ class GPipe(nn.Module):
         self.devices = resolved
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.deferred_batch_norm = deferred_batch_norm
+        self.deferred_batch_norm: bool = deferred_batch_norm
         self.partitions, self._offsets = split_module(module, balance, resolved)
-        self._pipeline = Pipeline(self, list(self.partitions), resolved)
+        self._pipeline: Pipeline = Pipeline(self, list(self.partitions), resolved)
         self._pipeline.skip_layout = inspect_skip_layout([cast(nn.Sequential, p) for p in self.partitions])
 
     # --- container protocol over the original layers ---------------------------------------------

@@ -1,4 +1,5 @@
 """Partitioning: check the module and the balance, resolve devices, and split the Sequential."""
+import numbers
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -59,14 +60,18 @@ def verify_balance(module: nn.Sequential, balance: Optional[Sequence[int]]) -> L
             "balance is required: a list of layer counts per partition summing to "
             f"{len(module)}; torchpipe_balancing.balance_by_time or balance_by_size can find one"
         )
-    if isinstance(balance, (int, str)) or not isinstance(balance, Sequence):
+    if isinstance(balance, (numbers.Number, str)):
         raise BalanceError(f"balance must be a list of positive ints, got {balance!r}")
-    balance = list(balance)
-    if not balance:
+    try:
+        entries = list(balance)
+    except TypeError:
+        raise BalanceError(f"balance must be a list of positive ints, got {balance!r}") from None
+    if not entries:
         raise BalanceError("balance is empty; give at least one partition")
-    bad = [b for b in balance if not isinstance(b, int) or isinstance(b, bool) or b <= 0]
+    bad = [b for b in entries if not isinstance(b, numbers.Integral) or isinstance(b, bool) or b <= 0]
     if bad:
-        raise BalanceError(f"every entry of balance must be a positive int (balance: {balance}; bad: {bad})")
+        raise BalanceError(f"every entry of balance must be a positive int (balance: {entries}; bad: {bad})")
+    balance = [int(b) for b in entries]  # NumPy and other integral types become plain ints
     if sum(balance) != len(module):
         raise BalanceError(
             f"module has {len(module)} layers but balance sums to {sum(balance)} (balance: {balance}); "
