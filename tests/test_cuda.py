@@ -143,3 +143,14 @@ def test_skip_between_devices(devices: List[str], checkpoint: str) -> None:
     expected.sum().backward()
     actual.sum().backward()
     assert torch.allclose(x_piped.grad.cpu(), x_plain.grad, atol=1e-5)
+
+
+def test_copies_between_devices_are_on_the_timeline() -> None:
+    import torchpipe
+
+    piped = GPipe(model(), [2, 3], devices=["cuda:0", "cpu"], chunks=2)
+    with torchpipe.trace.record_timeline() as timeline:
+        piped(torch.randn(4, 8, device="cuda:0")).sum().backward()
+    copies = sorted((s.partition, s.microbatch) for s in timeline if s.kind == "copy")
+    # Activations 0 -> 1 and gradients 1 -> 0, for both micro-batches.
+    assert copies == [(0, 0), (0, 1), (1, 0), (1, 1)]

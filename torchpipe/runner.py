@@ -325,13 +325,17 @@ class Pipeline:
         name: Optional[str] = None,
     ) -> None:
         """Hands ``batch`` from partition ``j`` to partition ``target``, which takes it by ``key``."""
-        tensors, event = transfer.send(
-            batch.tensors,
-            self.devices[target],
-            source_stream=step.streams[j],
-            source_copy_stream=self.copy_streams()[j],
-            target_copy_stream=self.copy_streams()[target],
-        )
+        # A real copy (between devices) is a task of its own on the timeline; on CUDA it shows the
+        # time to queue the copy, which then runs on the copy streams.
+        copying = trace.span("copy", j, i) if self.devices[target] != self.devices[j] else _NOT_PROFILED
+        with copying:
+            tensors, event = transfer.send(
+                batch.tensors,
+                self.devices[target],
+                source_stream=step.streams[j],
+                source_copy_stream=self.copy_streams()[j],
+                target_copy_stream=self.copy_streams()[target],
+            )
         transfer.log_transfer(kind, j, target, i, tensors, self.devices[target], name)
         step.mailbox.put(key, batch._replace(tensors=tensors, event=event))
 
