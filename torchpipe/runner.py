@@ -441,12 +441,9 @@ class Pipeline:
         return SkipTracker(self, step, i, j, checkpointing=checkpointing, recomputing=recomputing)
 
     def _as_batch(self, output: Any, j: int) -> Batch:
-        if isinstance(output, Tensor):
-            return Batch(output)
-        if isinstance(output, tuple) and output and all(isinstance(x, Tensor) for x in output):
-            return Batch(output)
-        microbatch.check_input(output, f"the output of partition {j} (layers {self._layer_names(j)})")
-        raise AssertionError("unreachable")
+        if not isinstance(output, Tensor):
+            microbatch.check_input(output, f"the output of partition {j} (layers {self._layer_names(j)})")
+        return Batch(output)
 
     def _layer_names(self, j: int) -> str:
         names = list(self.partitions[j]._modules)
