@@ -23,7 +23,9 @@ from typing import Dict, Generator, Optional, Tuple
 
 import torch
 
-__all__ = ["checkpoint_stop", "RNGState", "RNGGuard"]
+from torchpipe.context import is_checkpointing, is_recomputing  # where torchgpipe users look for them
+
+__all__ = ["checkpoint_stop", "RNGState", "RNGGuard", "is_checkpointing", "is_recomputing"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 

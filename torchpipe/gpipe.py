@@ -8,12 +8,12 @@ from torch import Tensor, nn
 from torchpipe import microbatch, transfer
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
-from torchpipe.partition import resolve_devices, split_module, verify_balance, verify_module
+from torchpipe.partition import BalanceError, resolve_devices, split_module, verify_balance, verify_module
 from torchpipe.runner import Pipeline, PipelineFunction, Step
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.types import Device, TensorOrTensors
 
-__all__ = ["GPipe"]
+__all__ = ["GPipe", "BalanceError"]
 
 MOVING_DENIED = TypeError(
     "denied to move the partitions of a GPipe: they are placed on their devices by GPipe; "
