@@ -487,7 +487,7 @@ class SkipTracker:
         self.checkpointing = checkpointing
         self.recomputing = recomputing
 
-    def save(self, layer: Any, ns: Namespace, name: str, tensor: Tensor) -> None:
+    def save(self, layer: Any, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         pipeline, step, i, j = self.pipeline, self.step, self.i, self.j
         route = pipeline.skip_layout.route(ns, name)
         key = (i, ns, name)
@@ -498,11 +498,14 @@ class SkipTracker:
             step.skips.stashed[key] = tensor
         if self.recomputing:
             return
-        needs_grad = _is_differentiable(tensor) if self.checkpointing else tensor.requires_grad
-        message = Message([tensor.detach()], CPU_EVENT, (needs_grad,), True)
+        if tensor is None:
+            message = Message([None], CPU_EVENT, (False,), True)
+        else:
+            needs_grad = _is_differentiable(tensor) if self.checkpointing else tensor.requires_grad
+            message = Message([tensor.detach()], CPU_EVENT, (needs_grad,), True)
         pipeline._send(step, "skip", ("skip", i, ns, name), i, j, route.pop, message, name)
 
-    def load(self, layer: Any, ns: Namespace, name: str) -> Tensor:
+    def load(self, layer: Any, ns: Namespace, name: str) -> Optional[Tensor]:
         pipeline, step, i, j = self.pipeline, self.step, self.i, self.j
         route = pipeline.skip_layout.route(ns, name)
         key = (i, ns, name)
@@ -513,16 +516,18 @@ class SkipTracker:
                 raise RuntimeError(
                     f"{type(layer).__name__} popped {name!r} ({ns}) before any layer stashed it"
                 ) from None
+        leaf: Optional[Tensor]
         if self.recomputing:
-            leaf = step.skips.popped[key]
+            leaf = step.skips.popped.get(key)
         else:
             message = pipeline._receive(step, ("skip", i, ns, name), j)
             tensor = message.tensors[0]
-            assert tensor is not None
-            (leaf,) = _make_leaves([tensor], [message.requires_grad[0] and step.grad_enabled])
+            leaf = None
+            if tensor is not None:
+                (leaf,) = _make_leaves([tensor], [message.requires_grad[0] and step.grad_enabled])
             if step.grad_enabled:
                 step.skips.popped[key] = leaf
-        if torch.is_grad_enabled() and leaf.requires_grad:
+        if leaf is not None and torch.is_grad_enabled() and leaf.requires_grad:
             return _alias((leaf,))[0]
         return leaf
 

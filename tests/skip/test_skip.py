@@ -229,7 +229,7 @@ def test_undeclared_names_and_bad_yields_are_clear_errors() -> None:
         Wrong()(torch.zeros(1))
     with pytest.raises(TypeError, match="yields only"):
         Weird()(torch.zeros(1))
-    with pytest.raises(TypeError, match="takes a Tensor"):
+    with pytest.raises(TypeError, match="takes a Tensor or None"):
         stash("a", 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="list of names"):
         skippable(stash="skip")  # type: ignore[arg-type]
@@ -368,3 +368,23 @@ def test_current_microbatch_identity() -> None:
     seen.clear()
     gc.collect()
     assert len(keys) == 0
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize("balance", [[1, 1, 1], [3]])
+def test_stashing_none_pops_none(checkpoint: str, balance: List[int]) -> None:
+    @skippable(stash=["maybe"])
+    class StashNone(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("maybe", None)
+            return x * 2
+
+    @skippable(pop=["maybe"])
+    class PopNone(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            maybe = yield pop("maybe")
+            assert maybe is None
+            return x + 1
+
+    model = nn.Sequential(StashNone(), nn.Linear(4, 4), PopNone())
+    assert_transparent(model, balance, chunks=2, checkpoint=checkpoint)

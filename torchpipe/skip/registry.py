@@ -24,9 +24,9 @@ SkipKey = Tuple[int, Namespace, str]
 
 
 class Tracker(Protocol):
-    def save(self, layer: Any, ns: Namespace, name: str, tensor: Tensor) -> None: ...
+    def save(self, layer: Any, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None: ...
 
-    def load(self, layer: Any, ns: Namespace, name: str) -> Tensor: ...
+    def load(self, layer: Any, ns: Namespace, name: str) -> Optional[Tensor]: ...
 
 
 class PlainTracker:
@@ -35,7 +35,7 @@ class PlainTracker:
     _local = threading.local()
 
     def __init__(self) -> None:
-        self.tensors: Dict[Tuple[Namespace, str], Tensor] = {}
+        self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
 
     @classmethod
     def for_thread(cls) -> "PlainTracker":
@@ -44,10 +44,10 @@ class PlainTracker:
             tracker = cls._local.tracker = cls()
         return tracker
 
-    def save(self, layer: Any, ns: Namespace, name: str, tensor: Tensor) -> None:
+    def save(self, layer: Any, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         self.tensors[(ns, name)] = tensor
 
-    def load(self, layer: Any, ns: Namespace, name: str) -> Tensor:
+    def load(self, layer: Any, ns: Namespace, name: str) -> Optional[Tensor]:
         try:
             return self.tensors.pop((ns, name))
         except KeyError:
@@ -67,9 +67,9 @@ class SkipRegistry:
     """
 
     def __init__(self) -> None:
-        self.stashed: Dict[SkipKey, Tensor] = {}
-        self.popped: Dict[SkipKey, Tensor] = {}
-        self.local: Dict[SkipKey, Tensor] = {}
+        self.stashed: Dict[SkipKey, Optional[Tensor]] = {}
+        self.popped: Dict[SkipKey, Optional[Tensor]] = {}
+        self.local: Dict[SkipKey, Optional[Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.stashed) + len(self.popped) + len(self.local)

@@ -36,13 +36,16 @@ M = TypeVar("M", bound=nn.Module)
 
 
 class stash:
-    """``yield stash(name, tensor)`` in a skippable forward hands ``tensor`` to the layer that pops ``name``."""
+    """``yield stash(name, tensor)`` in a skippable forward hands ``tensor`` to the layer that pops ``name``.
+
+    ``tensor`` may be ``None`` (the pop then gets ``None``), as in torchgpipe.
+    """
 
     __slots__ = ("name", "tensor")
 
-    def __init__(self, name: str, tensor: Tensor) -> None:
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"stash({name!r}, ...) takes a Tensor, got {type(tensor).__name__}")
+    def __init__(self, name: str, tensor: Optional[Tensor]) -> None:
+        if tensor is not None and not isinstance(tensor, Tensor):
+            raise TypeError(f"stash({name!r}, ...) takes a Tensor or None, got {type(tensor).__name__}")
         self.name = name
         self.tensor = tensor
 
