@@ -406,3 +406,21 @@ def test_numpy_balance_and_chunks_are_accepted_as_plain_ints() -> None:
     assert model.chunks == 2 and type(model.chunks) is int
     with pytest.raises(BalanceError):
         GPipe(mlp(1), 2, devices=["cpu", "cpu"])  # type: ignore[arg-type]
+
+
+def test_one_gpipe_driven_from_several_threads() -> None:
+    import concurrent.futures
+
+    model = cpu_gpipe(mlp(3, 4), [2, 2, 2], chunks=4, checkpoint="except_last")
+    plain = nn.Sequential(*model)
+    inputs = [torch.randn(8, 4) for _ in range(8)]
+
+    def run(x: Tensor) -> Tensor:
+        out = model(x)
+        out.sum().backward()
+        return out.detach()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(run, inputs, timeout=60))
+    for x, out in zip(inputs, outputs):
+        assert torch.allclose(out, plain(x), atol=1e-6)

@@ -188,6 +188,7 @@ class Pipeline:
         self._workers: Optional[WorkerGroup] = None
         self._copy_streams: Optional[List[AbstractStream]] = None
         self._lock = threading.Lock()
+        self._phase_lock = threading.Lock()
         self.skip_layout: SkipLayout = SkipLayout({}, len(self.partitions))
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -255,6 +256,12 @@ class Pipeline:
         return [g for g in grads_in if g is not None]
 
     def _run_phase(self, step: Step, schedule: Schedule, inline: Set[int]) -> None:
+        # One phase at a time per pipeline: two threads driving the same GPipe would otherwise
+        # interleave their action lists on the shared workers, and could wait on each other.
+        with self._phase_lock:
+            self._run_phase_locked(step, schedule, inline)
+
+    def _run_phase_locked(self, step: Step, schedule: Schedule, inline: Set[int]) -> None:
         futures: List[Future[None]] = []
         errors: List[BaseException] = []
         try:
