@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchpipe.context import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit", "discard"]
+__all__ = ["DeferredBatchNorm", "commit", "discard"]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -104,11 +104,6 @@ class DeferredBatchNorm(_BatchNorm):
             if converted is not child:
                 setattr(module, name, converted)
         return module
-
-
-def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
-    """Replaces every BatchNorm layer of ``module`` by a :class:`DeferredBatchNorm` (see its ``convert``)."""
-    return DeferredBatchNorm.convert(module)
 
 
 def commit(module: nn.Module) -> None:

@@ -216,13 +216,6 @@ class Pipeline:
             self._copy_streams = [new_stream(d) for d in self.devices]
         return self._copy_streams
 
-    def close(self) -> None:
-        """Stops the workers (a later step starts new ones)."""
-        with self._lock:
-            if self._workers is not None:
-                self._workers.close()
-                self._workers = None
-
     # --- phases ----------------------------------------------------------------------------------
 
     def run_forward(self, step: Step) -> List[Batch]:

@@ -119,18 +119,22 @@ class LayerSize:
         return self.activation_bytes + param_scale * self.parameter_bytes
 
 
-def _storage_key(t: Tensor) -> Tuple[str, int]:
+def _untyped_storage(t: Tensor) -> Optional[torch.UntypedStorage]:
+    """The tensor's storage, or None for tensors that have none (sparse, nested, wrapper subclasses)."""
     try:
-        return (str(t.device), t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # sparse or other tensors without one storage
-        return ("id", id(t))
+        return t.untyped_storage()
+    except RuntimeError:  # what torch raises for a tensor without one storage (NotImplementedError too)
+        return None
+
+
+def _storage_key(t: Tensor) -> Tuple[str, int]:
+    storage = _untyped_storage(t)
+    return ("id", id(t)) if storage is None else (str(t.device), storage.data_ptr())
 
 
 def _storage_bytes(t: Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return t.numel() * t.element_size()
+    storage = _untyped_storage(t)
+    return t.numel() * t.element_size() if storage is None else int(storage.nbytes())
 
 
 def _layer_size(layer: nn.Module, inputs: Any, device: torch.device) -> Tuple[LayerSize, Any]:

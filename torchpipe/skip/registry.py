@@ -8,14 +8,11 @@ keeps them in the step's :class:`SkipRegistry`, keyed by micro-batch,
 namespace and name, and moves them between partitions.
 """
 import threading
-from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 from torch import Tensor
 
 from torchpipe.skip.namespace import Namespace
-
-if TYPE_CHECKING:
-    from torchpipe.context import MicroBatch
 
 __all__ = ["Tracker", "PlainTracker", "SkipRegistry", "SkipKey"]
 
@@ -73,8 +70,3 @@ class SkipRegistry:
 
     def __len__(self) -> int:
         return len(self.stashed) + len(self.popped) + len(self.local)
-
-    def clear_microbatch(self, microbatch: "int | MicroBatch") -> None:
-        for table in (self.stashed, self.popped, self.local):
-            for key in [k for k in table if k[0] == microbatch]:
-                del table[key]

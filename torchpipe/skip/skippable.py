@@ -30,7 +30,7 @@ from torchpipe.context import current
 from torchpipe.skip.namespace import DEFAULT, Namespace
 from torchpipe.skip.registry import PlainTracker, Tracker
 
-__all__ = ["skippable", "stash", "pop", "Skippable", "is_skippable"]
+__all__ = ["skippable", "stash", "pop", "Skippable"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -178,7 +178,3 @@ def _names(names: Union[str, Iterable[str]], what: str) -> List[str]:
     if not all(isinstance(n, str) for n in listed):
         raise TypeError(f"@skippable({what}=...) takes names as strings, got {listed!r}")
     return listed
-
-
-def is_skippable(module: nn.Module) -> bool:
-    return isinstance(module, Skippable)
