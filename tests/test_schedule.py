@@ -77,3 +77,20 @@ def test_validate_rejects_foreign_and_missing_actions() -> None:
         validate([[parse("1F0")], [parse("1F0")]], 1, backward=False)
     with pytest.raises(ValueError, match="0B0 is missing"):
         validate([[parse("0F0")]], 1)
+
+
+def test_the_runner_executes_the_fill_drain_schedule_cut_into_phases() -> None:
+    import torch
+
+    from tests.models import mlp
+    from torchpipe import GPipe
+
+    model = GPipe(mlp(3, 4), [2, 2, 2], devices=["cpu"] * 3, chunks=4)
+    plan = model._pipeline.plan(4, 3)
+    assert plan is model._pipeline.plan(4, 3)  # computed once per shape
+    assert plan.schedule == fill_drain(4, 3, 3)
+    assert strs(plan.forward) == strs(phase(fill_drain(4, 3, 3), [Kind.FORWARD]))
+    assert strs(plan.backward) == strs(phase(fill_drain(4, 3, 3), [Kind.RECOMPUTE, Kind.BACKWARD]))
+    assert plan.inline_order == ()  # CPU: every partition on its worker
+    model(torch.randn(8, 4)).sum().backward()
+    assert model._pipeline.plan(4, 3) is plan

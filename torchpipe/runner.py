@@ -30,7 +30,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -143,6 +143,20 @@ def _alias(leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
     return tuple(result)
 
 
+class Plan(NamedTuple):
+    """What the runner executes for one (micro-batch count, checkpoint stop): the schedule, cut into
+    its two phases, and the order in which the caller's thread runs the inline partitions' actions.
+
+    Pure data derived from the schedule; :meth:`Pipeline.plan` computes it once per shape.
+    """
+
+    schedule: Schedule
+    forward: Schedule
+    backward: Schedule
+    #: Backward actions of the partitions that run on the caller's thread (see [Note: backward threads]).
+    inline_order: Tuple[Action, ...]
+
+
 class Step:
     """One mini-batch in the pipeline: its schedule and the state its forward keeps for its backward."""
 
@@ -162,7 +176,7 @@ class Step:
         self.context = ThreadContext.capture()
         self.checkpoint_stop = checkpoint_stop
         self.training = training
-        self.schedule: Schedule = fill_drain(self.microbatches, len(pipeline.partitions), checkpoint_stop)
+        self.plan = pipeline.plan(self.microbatches, checkpoint_stop)
         self.keys: List[Optional[MicroBatch]] = [MicroBatch(i) for i in range(self.microbatches)]
         self.mailbox = Mailbox()
         # (microbatch, partition) -> leaves, and the outputs (with graph) once there is one.
@@ -189,6 +203,12 @@ class Pipeline:
         self._copy_streams: Optional[List[AbstractStream]] = None
         self._lock = threading.Lock()
         self._phase_lock = threading.Lock()
+        self._plans: Dict[Tuple[int, int], Plan] = {}
+        out = self.devices[-1]
+        #: [Note: backward threads] partitions whose backward runs on the caller's (engine) thread.
+        self.inline: FrozenSet[int] = frozenset(
+            j for j, d in enumerate(self.devices) if out.type == "cuda" and d == out
+        )
         self.skip_layout: SkipLayout = SkipLayout({}, len(self.partitions))
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -199,6 +219,17 @@ class Pipeline:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__init__(state["owner"], state["partitions"], state["devices"])  # type: ignore[misc]
         self.skip_layout = state["skip_layout"]
+
+    def plan(self, microbatches: int, checkpoint_stop: int) -> Plan:
+        """The :class:`Plan` for a step of this shape (computed on first use, then reused)."""
+        key = (microbatches, checkpoint_stop)
+        plan = self._plans.get(key)
+        if plan is None:
+            schedule = fill_drain(microbatches, len(self.partitions), checkpoint_stop)
+            backward = phase(schedule, BACKWARD_PHASE)
+            order = tuple(a for cycle in clock_cycles(backward) for a in cycle if a.partition in self.inline)
+            plan = self._plans[key] = Plan(schedule, phase(schedule, FORWARD_PHASE), backward, order)
+        return plan
 
     # --- resources, created on first use so that the caller's thread settings apply -----------
 
@@ -220,7 +251,7 @@ class Pipeline:
 
     def run_forward(self, step: Step) -> List[Batch]:
         """Runs every forward action of ``step``; returns the last partition's output per micro-batch."""
-        self._run_phase(step, phase(step.schedule, FORWARD_PHASE), inline=set())
+        self._run_phase(step, step.plan.forward, inline=frozenset(), inline_order=())
         step.batches = None
         if not step.grad_enabled:
             step.keys = [None] * step.microbatches
@@ -238,23 +269,26 @@ class Pipeline:
         the input does not require grad).
         """
         last = len(self.partitions) - 1
+        event = record_event(step.streams[last])
         for i, grad in enumerate(grads):
-            step.mailbox.put(("grad", i, last), Message(list(grad), record_event(step.streams[last]), (), False))
-        out_device = self.devices[-1]
-        inline = {j for j, d in enumerate(self.devices) if out_device.type == "cuda" and d == out_device}
-        self._run_phase(step, phase(step.schedule, BACKWARD_PHASE), inline=inline)
+            step.mailbox.put(("grad", i, last), Message(list(grad), event, (), False))
+        self._run_phase(step, step.plan.backward, inline=self.inline, inline_order=step.plan.inline_order)
         grads_in = step.input_grads
         step.input_grads = [None] * step.microbatches
         assert all(g is not None for g in grads_in), "a micro-batch's backward did not finish"
         return [g for g in grads_in if g is not None]
 
-    def _run_phase(self, step: Step, schedule: Schedule, inline: Set[int]) -> None:
+    def _run_phase(
+        self, step: Step, schedule: Schedule, inline: FrozenSet[int], inline_order: Sequence[Action]
+    ) -> None:
         # One phase at a time per pipeline: two threads driving the same GPipe would otherwise
         # interleave their action lists on the shared workers, and could wait on each other.
         with self._phase_lock:
-            self._run_phase_locked(step, schedule, inline)
+            self._run_phase_locked(step, schedule, inline, inline_order)
 
-    def _run_phase_locked(self, step: Step, schedule: Schedule, inline: Set[int]) -> None:
+    def _run_phase_locked(
+        self, step: Step, schedule: Schedule, inline: FrozenSet[int], inline_order: Sequence[Action]
+    ) -> None:
         futures: List[Future[None]] = []
         errors: List[BaseException] = []
         try:
@@ -264,9 +298,8 @@ class Pipeline:
                     assert workers is not None
                     futures.append(workers[j].submit(functools.partial(self._run_actions, step, actions)))
             if inline:
-                order = [a for cycle in clock_cycles(schedule) for a in cycle if a.partition in inline]
                 try:
-                    self._run_actions(step, order)
+                    self._run_actions(step, inline_order)
                 except BaseException as exc:  # noqa: B036 - re-raised below, after the workers stop
                     errors.append(exc)
             wait_futures(futures)
