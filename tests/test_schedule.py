@@ -1,96 +1,253 @@
 """The schedule is data: literal equality, string forms, validation and simulation."""
+from typing import List
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchpipe.schedule import Action, Kind, clock_cycles, fill_drain, parse, phase, validate
+from torchpipe.schedule import (
+    Action,
+    Kind,
+    Schedule,
+    build,
+    clock_cycles,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    parse,
+    simulate,
+    validate,
+    with_recomputation,
+    zero_bubble,
+)
+
+F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+UNIT = {F: 1.0, B: 1.0}
+SPLIT_UNIT = {F: 1.0, BI: 1.0, BW: 1.0}
 
 
-def strs(schedule: list) -> list:
-    return [[str(a) for a in actions] for actions in schedule]
+def lists(text: str) -> List[List[str]]:
+    return [line.split() for line in text.strip().splitlines()]
 
 
 def test_action_string_form_round_trips() -> None:
     action = Action(1, Kind.FORWARD, 0)
-    assert str(action) == "1F0"
+    assert str(action) == "1F0" and action.partition == 1
     assert parse("1F0") == action
     assert parse("12B3") == Action(12, Kind.BACKWARD, 3)
+    assert parse("2I4") == Action(2, Kind.BACKWARD_INPUT, 4)
+    assert parse("2W4") == Action(2, Kind.BACKWARD_WEIGHT, 4)
+    assert parse(action) is action
     with pytest.raises(ValueError, match="not an action"):
         parse("1X0")
 
 
-def test_fill_drain_literal() -> None:
-    assert strs(fill_drain(3, 2, checkpoint_stop=2)) == [
-        ["0F0", "0F1", "0F2", "0B2", "0R1", "0B1", "0R0", "0B0"],
-        ["1F0", "1F1", "1F2", "1B2", "1R1", "1B1", "1R0", "1B0"],
-    ]
-    assert strs(fill_drain(2, 1)) == [["0F0", "0F1", "0B1", "0B0"]]
+def test_kind_labels() -> None:
+    assert [k.label for k in Kind] == ["forward", "recompute", "backward", "backward-input", "backward-weight"]
+    assert all(Kind.from_label(k.label) is k for k in Kind)
+    with pytest.raises(ValueError):
+        Kind.from_label("copy")
 
 
-def test_forward_clock_cycles_are_i_plus_j() -> None:
-    cycles = clock_cycles(phase(fill_drain(4, 3), [Kind.FORWARD]))
+def test_gpipe_literal() -> None:
+    assert gpipe(3, 2).as_lists() == lists("""
+        0F0 0F1 0F2 0B2 0B1 0B0
+        1F0 1F1 1F2 1B2 1B1 1B0
+    """)
+
+
+def test_gpipe_with_recomputation_literal() -> None:
+    schedule = with_recomputation(gpipe(3, 2), lambda s, i: i < 2)
+    assert schedule.as_lists() == lists("""
+        0F0 0F1 0F2 0B2 0R1 0B1 0R0 0B0
+        1F0 1F1 1F2 1B2 1R1 1B1 1R0 1B0
+    """)
+
+
+def test_one_f_one_b_literal() -> None:
+    assert one_f_one_b(4, 3).as_lists() == lists("""
+        0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+        1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3
+        2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
+    """)
+
+
+def test_one_f_one_b_with_fewer_microbatches_than_stages() -> None:
+    assert one_f_one_b(2, 4).as_lists() == lists("""
+        0F0 0F1 0B0 0B1
+        1F0 1F1 1B0 1B1
+        2F0 2F1 2B0 2B1
+        3F0 3B0 3F1 3B1
+    """)
+
+
+def test_interleaved_literal() -> None:
+    schedule = interleaved_1f1b(4, 4, 2)
+    assert schedule.stage_workers == (0, 1, 0, 1)
+    assert schedule.stages_of(1) == [1, 3]
+    assert schedule.as_lists() == lists("""
+        0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+        1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+    """)
+
+
+def test_zero_bubble_literal() -> None:
+    assert zero_bubble(4, 3).as_lists() == lists("""
+        0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
+        1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3
+        2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3
+    """)
+
+
+@given(st.integers(1, 12), st.integers(1, 6), st.data())
+def test_every_named_schedule_is_valid_for_every_shape(m: int, p: int, data: st.DataObject) -> None:
+    for name in ("gpipe", "1f1b", "zero_bubble"):
+        schedule = build(name, m, p)
+        assert schedule.microbatches == m and schedule.stages == p and schedule.name == name
+        validate(schedule)
+        stop = data.draw(st.integers(0, m))
+        validate(with_recomputation(schedule, lambda s, i, stop=stop: i < stop))
+    workers = data.draw(st.integers(1, 4))
+    chunks = data.draw(st.integers(2, 3))
+    validate(interleaved_1f1b(m, workers * chunks, workers))
+
+
+@given(st.integers(1, 12), st.integers(1, 6))
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(m: int, p: int) -> None:
+    expected = (p - 1) / (m + p - 1)
+    assert simulate(gpipe(m, p), UNIT).bubble == pytest.approx(expected)
+    assert simulate(one_f_one_b(m, p), UNIT).bubble == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_interleaved_bubble_divides_by_the_stages_per_worker(workers: int, chunks: int, rounds: int) -> None:
+    m = rounds * workers
+    simulation = simulate(interleaved_1f1b(m, workers * chunks, workers), UNIT)
+    assert simulation.bubble == pytest.approx((workers - 1) / (chunks * m + workers - 1))
+
+
+@given(st.integers(1, 6), st.data())
+def test_zero_bubble_has_a_third_of_the_1f1b_bubble(p: int, data: st.DataObject) -> None:
+    # The zero-bubble paper's ZB-H1 with F, I and W of equal cost: 3m + p - 1 time units against 1F1B's
+    # 3m + 3(p - 1), its backward B costing I + W.
+    m = data.draw(st.integers(p, 14))
+    zb = simulate(zero_bubble(m, p), SPLIT_UNIT)
+    f1b = simulate(one_f_one_b(m, p), {F: 1.0, B: 2.0})
+    assert zb.step_time == 3 * m + p - 1
+    assert f1b.step_time == 3 * m + 3 * (p - 1)
+    assert zb.bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+def live_microbatches(schedule: Schedule, stage: int) -> int:
+    """The most micro-batches whose activations ``stage`` holds at once, in its list's order."""
+    live = peak = 0
+    for action in schedule.workers[schedule.stage_workers[stage]]:
+        if action.stage != stage:
+            continue
+        if action.kind is F:
+            live += 1
+        elif action.kind in (B, BW):
+            live -= 1
+        peak = max(peak, live)
+    return peak
+
+
+@given(st.integers(1, 16), st.integers(1, 6))
+def test_memory_bound_of_each_schedule(m: int, p: int) -> None:
+    for s in range(p):
+        assert live_microbatches(gpipe(m, p), s) == m
+        assert live_microbatches(one_f_one_b(m, p), s) <= p - s
+        assert live_microbatches(zero_bubble(m, p), s) <= p
+    interleaved = interleaved_1f1b(m, 2 * max(p // 2, 1), max(p // 2, 1))
+    assert all(live_microbatches(interleaved, s) <= interleaved.stages for s in range(interleaved.stages))
+
+
+def test_unit_clock_cycles_of_gpipe() -> None:
+    cycles = clock_cycles(gpipe(4, 3).only([F]))
     assert len(cycles) == 4 + 3 - 1
     for k, cycle in enumerate(cycles):
         assert sorted(str(a) for a in cycle) == sorted(f"{j}F{k - j}" for j in range(3) if 0 <= k - j < 4)
-
-
-def test_backward_runs_in_reverse() -> None:
-    cycles = clock_cycles(phase(fill_drain(3, 3), [Kind.BACKWARD]))
-    assert [sorted(map(str, c)) for c in cycles] == [
+    backward = clock_cycles(gpipe(3, 3).only([B]))
+    assert [sorted(map(str, c)) for c in backward] == [
         ["2B2"], ["1B2", "2B1"], ["0B2", "1B1", "2B0"], ["0B1", "1B0"], ["0B0"]
     ]
 
 
-def test_recomputation_overlaps_with_later_partitions_backward() -> None:
-    cycles = clock_cycles(phase(fill_drain(3, 2, checkpoint_stop=3), [Kind.RECOMPUTE, Kind.BACKWARD]))
-    # Partition 0 recomputes micro-batch 2 while partition 1 recomputes and runs its backward.
-    assert sorted(map(str, cycles[0])) == ["0R2", "1R2"]
-
-
-@given(st.integers(1, 8), st.integers(1, 6), st.data())
-def test_fill_drain_is_valid(m: int, n: int, data: st.DataObject) -> None:
-    stop = data.draw(st.integers(0, m))
-    validate(fill_drain(m, n, stop), m)
+def test_simulate_with_costs_and_communication() -> None:
+    simulation = simulate(gpipe(2, 2), {F: 2.0, B: 3.0}, communication=0.5)
+    # 0F0 0..2, 0F1 2..4; 1F0 2.5..4.5, 1F1 4.5..6.5; 1B1 6.5..9.5, 1B0 9.5..12.5; 0B1 10..13, 0B0 13..16
+    assert simulation.step_time == 16.0
+    assert simulation.busy == (10.0, 10.0)
+    assert simulation.start[parse("0B0")] == 13.0
+    assert simulate(gpipe(2, 2), lambda a: 1.0).step_time == 6.0
 
 
 def test_validate_reports_every_problem() -> None:
-    bad = [[Action(0, Kind.BACKWARD, 0), Action(0, Kind.FORWARD, 0), Action(0, Kind.FORWARD, 0)]]
+    bad = Schedule.from_lists([["0B0", "0F0", "0F0", "0I1"], ["1F0"]])
     with pytest.raises(ValueError) as info:
-        validate(bad, 1)
+        validate(bad)
     message = str(info.value)
-    assert "0F0 appears twice" in message
-    assert "0B0 comes before its forward" in message
+    for problem in [
+        "0F0 appears twice",
+        "0B0 comes before its forward",
+        "0F1 is missing",
+        "0I1 has no 0W1",
+        "1B0 is missing (or 1I0 and 1W0)",
+        "schedule deadlocks",
+    ]:
+        assert problem in message
+    assert "problems" in message and "worker 0: 0B0 0F0 0F0 0I1" in message
 
 
-def test_validate_detects_deadlock() -> None:
-    # Partition 0 waits for 1B0 before 0F1, but partition 1 needs 0F1 before it runs 1B0.
-    deadlocked = [
-        ["0F0", "0B0", "0F1", "0B1"],
-        ["1F0", "1F1", "1B1", "1B0"],
-    ]
-    with pytest.raises(ValueError, match="deadlock"):
-        validate([[parse(a) for a in actions] for actions in deadlocked], 2)
+def test_validate_detects_deadlock_and_names_the_waits() -> None:
+    # Stage 0 waits for 1B0 before 0F1, but stage 1 needs 0F1 before it runs 1B0.
+    deadlocked = Schedule.from_lists([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B1", "1B0"]])
+    with pytest.raises(ValueError, match="deadlocks.*0B0 waits for 1B0; 1F1 waits for 0F1"):
+        validate(deadlocked)
 
 
-def test_validate_rejects_foreign_and_missing_actions() -> None:
-    with pytest.raises(ValueError, match="is in the list of partition 0"):
-        validate([[parse("1F0")], [parse("1F0")]], 1, backward=False)
-    with pytest.raises(ValueError, match="0B0 is missing"):
-        validate([[parse("0F0")]], 1)
+def test_validate_rejects_misplaced_and_out_of_range_actions() -> None:
+    with pytest.raises(ValueError, match="1F0 is in the list of worker 0, but stage 1 runs on worker 1"):
+        validate(Schedule.from_lists([["1F0"], ["1F0"]], stage_workers=[0, 1]), backward=False)
+    with pytest.raises(ValueError, match="names a micro-batch outside 0..0"):
+        validate(Schedule.from_lists([["0F0", "0F1", "0B0", "0B1"]], microbatches=1))
+    with pytest.raises(ValueError, match="0W0 comes before its 0I0"):
+        validate(Schedule.from_lists([["0F0", "0W0", "0I0"]]))
+    with pytest.raises(ValueError, match="both a whole and a split backward"):
+        validate(Schedule.from_lists([["0F0", "0B0", "0I0", "0W0"]]))
+    with pytest.raises(ValueError, match="0R0 comes after its backward"):
+        validate(Schedule.from_lists([["0F0", "0B0", "0R0"]]))
 
 
-def test_the_runner_executes_the_fill_drain_schedule_cut_into_phases() -> None:
+def test_restricted_keeps_a_valid_schedule_for_fewer_microbatches() -> None:
+    schedule = one_f_one_b(6, 3).restricted(2)
+    assert schedule.microbatches == 2
+    validate(schedule)
+    assert all(a.microbatch < 2 for a in schedule.actions())
+
+
+def test_build_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        build("pipedream", 4, 2)
+    with pytest.raises(ValueError, match="multiple .at least 2. of the workers"):
+        interleaved_1f1b(4, 3, 2)
+
+
+def test_the_runner_executes_the_gpipe_schedule_cut_into_phases() -> None:
     import torch
 
     from tests.models import mlp
     from torchpipe import GPipe
 
     model = GPipe(mlp(3, 4), [2, 2, 2], devices=["cpu"] * 3, chunks=4)
-    plan = model._pipeline.plan(4, 3)
-    assert plan is model._pipeline.plan(4, 3)  # computed once per shape
-    assert plan.schedule == fill_drain(4, 3, 3)
-    assert strs(plan.forward) == strs(phase(fill_drain(4, 3, 3), [Kind.FORWARD]))
-    assert strs(plan.backward) == strs(phase(fill_drain(4, 3, 3), [Kind.RECOMPUTE, Kind.BACKWARD]))
-    assert plan.inline_order == ()  # CPU: every partition on its worker
+    plan = model._runner.plan(4, 3)
+    assert plan is model._runner.plan(4, 3)  # computed once per shape
+    expected = with_recomputation(gpipe(4, 3), lambda s, i: i < 3)
+    assert plan.schedule == expected
+    assert plan.forward == expected.only([F])
+    assert plan.backward == expected.only([Kind.RECOMPUTE, B, BI, BW])
+    assert plan.inline == ()  # CPU: every partition on its worker
     model(torch.randn(8, 4)).sum().backward()
-    assert model._pipeline.plan(4, 3) is plan
+    assert model._runner.plan(4, 3) is plan

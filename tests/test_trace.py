@@ -13,9 +13,8 @@ from torch import nn
 import torchpipe
 from torchpipe import trace
 from torchpipe.checkpoint import checkpoint_stop
-from torchpipe.schedule import Kind, fill_drain, parse
+from torchpipe.schedule import gpipe, parse, with_recomputation
 
-KIND_NAMES = {Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward"}
 CHUNKS = 4
 
 
@@ -46,11 +45,9 @@ def test_every_scheduled_task_is_recorded_once(checkpoint: str) -> None:
     pipe = make_pipe(checkpoint)
     with trace.record_timeline() as timeline:
         train_step(pipe)
-    expected = {
-        (a.partition, KIND_NAMES[a.kind], a.microbatch)
-        for actions in fill_drain(CHUNKS, 2, checkpoint_stop(checkpoint, CHUNKS, True))
-        for a in actions
-    }
+    stop = checkpoint_stop(checkpoint, CHUNKS, True)
+    schedule = with_recomputation(gpipe(CHUNKS, 2), lambda s, i: i < stop)
+    expected = {(a.stage, a.kind.label, a.microbatch) for a in schedule.actions()}
     recorded = [(s.partition, s.kind, s.microbatch) for s in timeline]
     assert sorted(recorded) == sorted(expected)
     assert len(recorded) == len(set(recorded))
@@ -189,7 +186,7 @@ def test_chrome_trace_is_valid_json_with_one_row_per_partition(
     for event in complete:
         action = parse(event["name"])
         assert event["tid"] == action.partition == event["args"]["partition"]
-        assert event["cat"] == KIND_NAMES[action.kind] == event["args"]["kind"]
+        assert event["cat"] == action.kind.label == event["args"]["kind"]
         assert event["args"]["microbatch"] == action.microbatch
         assert event["ts"] >= 0 and event["dur"] >= 0 and event["pid"] == 0
         seen.add((action.partition, event["cat"], action.microbatch))

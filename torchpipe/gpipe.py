@@ -1,16 +1,20 @@
 """The GPipe module: arguments, the container protocol, and the forward entry of a pipelined step."""
-import numbers
-from typing import Any, Iterator, List, Optional, Sequence, Union, cast
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
 
 from torchpipe import microbatch, transfer
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
-from torchpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
+from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
+from torchpipe.microbatch import Batch
 from torchpipe.partition import BalanceError, resolve_devices, split_module, verify_balance, verify_module
-from torchpipe.runner import Pipeline, PipelineFunction, Step
+from torchpipe.runtime import Runner, Step
+from torchpipe.runtime.boundary import is_differentiable
+from torchpipe.runtime.function import Layout, PipelineFunction
+from torchpipe.schedule import gpipe
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
+from torchpipe.state_dict import PlainKeys
 from torchpipe.types import Device, TensorOrTensors
 
 __all__ = ["GPipe", "BalanceError"]
@@ -77,11 +81,8 @@ class GPipe(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(chunks, numbers.Integral) or isinstance(chunks, bool) or chunks <= 0:
-            raise ValueError(f"number of chunks must be a positive int, got {chunks!r}")
-        chunks = int(chunks)
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
+        chunks = microbatch.verify_chunks(chunks)
+        checkpoint = verify_checkpoint(checkpoint)
         verify_module(module)
         balance = verify_balance(module, balance)
         resolved = resolve_devices(devices, len(balance))
@@ -95,8 +96,17 @@ class GPipe(nn.Module):
         self.checkpoint = checkpoint
         self.deferred_batch_norm: bool = deferred_batch_norm
         self.partitions, self._offsets = split_module(module, balance, resolved)
-        self._pipeline: Pipeline = Pipeline(self, list(self.partitions), resolved)
-        self._pipeline.skip_layout = inspect_skip_layout([cast(nn.Sequential, p) for p in self.partitions])
+        stages = self._sequentials()
+        self._runner = Runner(
+            stages,
+            resolved,
+            lambda microbatches: gpipe(microbatches, len(stages)),
+            list(range(len(stages))),
+            resolved,
+            inspect_skip_layout(stages),
+            inline_backward=True,
+            noun="partition",
+        )
 
     # --- container protocol over the original layers ---------------------------------------------
 
@@ -131,10 +141,34 @@ class GPipe(nn.Module):
 
     def to(self, *args: Any, **kwargs: Any) -> "GPipe":
         # Anything naming a device (a device, a string, an index, a tensor to match) is denied.
-        if any(isinstance(a, (torch.device, str, int, Tensor)) for a in args) or kwargs.get("device") is not None:
+        if any(isinstance(a, (torch.device, str, int, Tensor)) for a in args) or any(
+            kwargs.get(k) is not None for k in ("device", "tensor")
+        ):
             raise MOVING_DENIED
         super().to(*args, **kwargs)
         return self
+
+    # --- state dicts -----------------------------------------------------------------------------
+
+    def _keys(self) -> PlainKeys:
+        return PlainKeys({name: f"partitions.{j}." for j, p in enumerate(self._sequentials()) for name in p._modules})
+
+    def full_state_dict(self) -> Dict[str, Any]:
+        """The state dict of the plain module (keys like ``'3.weight'``), whatever the balance.
+
+        ``nn.Sequential(...).load_state_dict(g.full_state_dict())`` loads it
+        into the unpartitioned module, and so does a GPipe of any balance.
+        """
+        return self._keys().to_plain(self.state_dict())
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Loads a GPipe's state dict (of any balance) or the plain module's (keys like ``'3.weight'``)."""
+        own = self._keys().to_own(state_dict)
+        if assign:
+            return super().load_state_dict(own, strict=strict, assign=True)
+        return super().load_state_dict(own, strict=strict)
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -146,22 +180,17 @@ class GPipe(nn.Module):
         the plain module returns and lives on ``devices[-1]``.
         """
         microbatch.check_input(input)
+        if not self.partitions:  # an empty Sequential is the identity, as in torchgpipe
+            return input
         input = transfer.move(input, self.devices[0])
         tensors = (input,) if isinstance(input, Tensor) else tuple(input)
         grad_enabled = torch.is_grad_enabled()
-        needs_grad = grad_enabled and (
-            any(t.requires_grad for t in tensors) or any(p.requires_grad for p in self.parameters())
-        )
         batches = microbatch.scatter(input, self.chunks)
-        stop = checkpoint_stop(self.checkpoint, len(batches), needs_grad and self.training)
-        step = Step(self._pipeline, batches, grad_enabled=needs_grad, checkpoint_stop=stop, training=self.training)
+        stop = checkpoint_stop(self.checkpoint, len(batches), grad_enabled and self.training)
+        step = Step(self._runner, batches, grad_enabled=grad_enabled, training=self.training, checkpoint_stop=stop)
         try:
-            if not needs_grad:
-                output = microbatch.gather(self._pipeline.run_forward(step))
-            else:
-                phony = torch.empty(0, device=self.devices[0], requires_grad=True)
-                outputs = PipelineFunction.apply(step, phony, *tensors)  # type: ignore[no-untyped-call]
-                output = cast(Tensor, outputs[0]) if step.output_atomic else tuple(outputs)
+            results = self._runner.run_forward(step)
+            output = self._output(step, results, tensors)
         except BaseException:
             if self.deferred_batch_norm:
                 for partition in self.partitions:
@@ -172,7 +201,37 @@ class GPipe(nn.Module):
                 commit(partition)
         return output
 
+    def _output(self, step: Step, results: List[Batch], tensors: Tuple[Tensor, ...]) -> TensorOrTensors:
+        """Joins the micro-batches' outputs; with grad, ties them into the caller's graph."""
+        flags = _output_flags(step, results)
+        if not step.grad_enabled or not any(flags):
+            return microbatch.gather(results)
+        step.stage_params = [[p for p in stage.parameters() if p.requires_grad] for stage in self._sequentials()]
+        views = [p.view_as(p) for params in step.stage_params for p in params]
+        positions = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
+        inputs = [tensors[k] for k in positions]
+        # The outputs require grad through something that is neither an input nor a parameter (a layer using a
+        # global tensor that requires grad): an empty tensor that requires grad makes them require it too.
+        phony = [] if inputs or views else [torch.empty(0, device=self.devices[0], requires_grad=True)]
+        layout = Layout(len(phony), positions, len(views))
+        outputs = PipelineFunction.apply(step, results, flags, layout, *phony, *inputs, *views)  # type: ignore[no-untyped-call]
+        return cast(Tensor, outputs[0]) if results[0].atomic else tuple(outputs)
+
     def extra_repr(self) -> str:
         return f"balance={self.balance}, devices={[str(d) for d in self.devices]}, chunks={self.chunks}, " \
             f"checkpoint={self.checkpoint!r}"
 
+
+def _output_flags(step: Step, results: List[Batch]) -> Tuple[bool, ...]:
+    """Whether each output tensor requires grad, as the plain module's would.
+
+    Read off the micro-batches the last stage ran with grad; if every one was
+    checkpointed (computed without grad), every differentiable output is taken
+    to require grad (a checkpointed micro-batch had something requiring grad).
+    """
+    recorded = [f for f in step.output_flags if f is not None]
+    if recorded:
+        return tuple(any(column) for column in zip(*recorded))
+    if not step.checkpoint_stop:
+        return tuple(False for _ in results[0].values)
+    return tuple(is_differentiable(t) for t in results[0].values)

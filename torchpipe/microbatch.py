@@ -1,12 +1,13 @@
 """Micro-batches: a mini-batch (a tensor or a tuple of tensors) cut along dim 0, and joined back."""
-from typing import List, Sequence, Tuple
+import numbers
+from typing import Any, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
 from torchpipe import transfer
 from torchpipe.types import TensorOrTensors, Tensors
 
-__all__ = ["Batch", "check_input", "scatter", "gather"]
+__all__ = ["Batch", "check_input", "verify_chunks", "scatter", "gather"]
 
 
 class Batch:
@@ -57,8 +58,29 @@ def check_input(input: object, what: str = "input") -> None:
     raise TypeError(f"{what} must be a Tensor or a non-empty tuple of Tensors, got {type(input).__name__}")
 
 
+def verify_chunks(chunks: Any) -> int:
+    """The number of micro-batches as an int: a positive integer, or a float equal to one (as torchgpipe takes).
+
+    Raises:
+        ValueError: ``chunks`` is not a positive whole number.
+    """
+    whole: Optional[int] = None
+    if isinstance(chunks, (numbers.Integral, float)) and not isinstance(chunks, bool):
+        try:
+            whole = int(chunks)
+        except (ValueError, OverflowError):  # nan, inf
+            whole = None
+    if whole is None or whole != chunks or whole <= 0:
+        raise ValueError(f"number of chunks must be a positive int, got {chunks!r}")
+    return whole
+
+
 def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
-    """Cuts ``input`` into at most ``chunks`` micro-batches along dim 0, like ``torch.chunk``."""
+    """Cuts ``input`` into at most ``chunks`` micro-batches along dim 0, like ``torch.chunk``.
+
+    An empty batch is one (empty) micro-batch, so an empty input gives an
+    empty output, as with the plain module.
+    """
     atomic = isinstance(input, Tensor)
     values: Tuple[Tensor, ...] = (input,) if isinstance(input, Tensor) else tuple(input)
     for value in values:

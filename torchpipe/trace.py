@@ -26,13 +26,22 @@ from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, ContextManager, Dict, Generator, Iterator, List, Optional, Tuple, Type, Union
 
-__all__ = ["Span", "Timeline", "record_timeline", "span", "mark_start", "mark_end", "active"]
+from torchpipe.schedule import Action, Kind, dependencies
 
-#: The kinds of task, in the order the exports list them.
-KINDS = ("forward", "recompute", "backward", "copy")
+__all__ = ["Span", "Timeline", "record_timeline", "span", "mark_start", "mark_end", "active", "NOTHING"]
+
+#: The kinds of task, in the order the exports list them: the schedule's actions, and copies between devices.
+KINDS = tuple(kind.label for kind in Kind) + ("copy",)
 
 #: The Gantt chart's colour per kind (colour-blind-safe palette).
-COLORS = {"forward": "#4477AA", "recompute": "#EE7733", "backward": "#228833", "copy": "#BBBBBB"}
+COLORS = {
+    "forward": "#4477AA",
+    "recompute": "#EE7733",
+    "backward": "#228833",
+    "backward-input": "#66CCEE",
+    "backward-weight": "#AA3377",
+    "copy": "#BBBBBB",
+}
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -41,7 +50,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 class Span:
     """One recorded task."""
 
-    #: ``'forward'``, ``'recompute'``, ``'backward'`` or ``'copy'``.
+    #: An action's :attr:`~torchpipe.schedule.Kind.label` (``'forward'``, ``'backward-input'``, …) or ``'copy'``.
     kind: str
     partition: int
     microbatch: int
@@ -58,9 +67,17 @@ class Span:
 
     @property
     def label(self) -> str:
-        """The task as a schedule writes it: ``1F0`` is partition 1's forward of micro-batch 0."""
-        letter = {"forward": "F", "recompute": "R", "backward": "B", "copy": "C"}.get(self.kind, self.kind)
-        return f"{self.partition}{letter}{self.microbatch}"
+        """The task as a schedule writes it: ``1F0`` is partition 1's forward of micro-batch 0 (``1C0`` a copy)."""
+        action = self.action
+        return str(action) if action is not None else f"{self.partition}C{self.microbatch}"
+
+    @property
+    def action(self) -> Optional[Action]:
+        """The schedule's action this span ran (None for a copy)."""
+        try:
+            return Action(self.partition, Kind.from_label(self.kind), self.microbatch)
+        except ValueError:
+            return None
 
 
 @dataclass
@@ -97,9 +114,9 @@ class Timeline:
         partition handed over the activation (or a backward before the next
         partition handed back the gradient) waited inside the span, and drawn
         as recorded that wait would look like work. So each task here starts
-        no earlier than the end of the task it depends on (``jFi`` on
-        ``(j-1)Fi``, ``jBi`` on ``(j+1)Bi``; a task's own earlier tasks run
-        before it on the same worker anyway), when that one ended first.
+        no earlier than the end of the tasks of other partitions it depends on
+        (:func:`torchpipe.schedule.dependencies`: ``jFi`` on ``(j-1)Fi``,
+        ``jBi`` on ``(j+1)Bi`` or ``(j+1)Ii``), when those ended first.
         :attr:`spans` keeps what was recorded.
         """
         return [drawn for drawn, _ in self._tasks()]
@@ -111,19 +128,19 @@ class Timeline:
         for s in sorted(spans, key=lambda s: s.start):
             by_key.setdefault((s.kind, s.partition, s.microbatch), []).append(s)
         partitions = self.partitions
+        present = frozenset(a for a in (s.action for s in spans) if a is not None)
         result: List[Tuple[Span, Span]] = []
         for s in spans:
-            if s.kind == "forward" and s.partition > 0:
-                dependency: Optional[Tuple[str, int, int]] = ("forward", s.partition - 1, s.microbatch)
-            elif s.kind == "backward" and s.partition + 1 < partitions:
-                dependency = ("backward", s.partition + 1, s.microbatch)
-            else:
-                dependency = None
+            action = s.action
             start = s.start
-            if dependency is not None:
+            needs = [] if action is None else dependencies(action, partitions, present)
+            for dependency in needs:
+                if dependency.stage == s.partition:  # its own worker ran it before anyway
+                    continue
                 # The same task of the same step: the latest one that began before this one ended
                 # (a timeline may hold several steps, whose micro-batch numbers repeat).
-                candidates = [d for d in by_key.get(dependency, ()) if d.start <= s.end]
+                key = (dependency.kind.label, dependency.stage, dependency.microbatch)
+                candidates = [d for d in by_key.get(key, ()) if d.start <= s.end]
                 if candidates and candidates[-1].end <= s.end:
                     start = max(start, candidates[-1].end)
             result.append((s if start == s.start else replace(s, start=start), s))
@@ -276,7 +293,8 @@ class _Nothing:
         return None
 
 
-_NOTHING = _Nothing()
+#: A do-nothing context manager (what :func:`span` returns when nothing records).
+NOTHING = _Nothing()
 
 
 class _Open(threading.local):
@@ -327,7 +345,7 @@ def span(kind: str, partition: int, microbatch: int) -> ContextManager[None]:
     do-nothing context manager: one list check, no allocation, no clock read.
     """
     if not _timelines:
-        return _NOTHING
+        return NOTHING
     return _Recording(kind, partition, microbatch)
 
 

@@ -133,8 +133,8 @@ def split(obj: T, parts: int, dim: int = 0) -> List[T]:
 
     Returns one structure per piece. A batch that does not divide by ``parts``
     makes a smaller last piece; a batch smaller than ``parts`` makes fewer
-    pieces. Leaves that are not tensors, and 0-dimensional tensors, are shared
-    by every piece.
+    pieces (an empty batch, one empty piece). Leaves that are not tensors, and
+    0-dimensional tensors, are shared by every piece.
 
     Raises:
         ValueError: ``parts`` is not positive, or two tensors of ``obj`` have
@@ -152,7 +152,7 @@ def split(obj: T, parts: int, dim: int = 0) -> List[T]:
         return [obj for _ in range(parts)]
     (size,) = sizes
     if size == 0:
-        raise ValueError(f"cannot split an empty batch (size 0 along dim {dim})")
+        return [obj]
     count = len(torch.empty(size, 0).chunk(parts))
 
     pieces: List[Any] = []
@@ -357,14 +357,18 @@ def log_transfer(
     target: int,
     microbatch: int,
     tensors: Sequence[Optional[Tensor]],
+    source_device: torch.device,
     target_device: torch.device,
     name: Optional[str] = None,
 ) -> None:
-    """Adds a hand-over to every active :func:`record_transfers` log (free when none is active)."""
+    """Adds a hand-over to every active :func:`record_transfers` log (free when none is active).
+
+    The devices are given by the caller, who knows where the tensors came from
+    (after a copy, every tensor is on the target device).
+    """
     if not _recorders:
         return
     present = [t for t in tensors if t is not None]
-    source_device = present[0].device if present else target_device
     record = TransferRecord(
         kind,
         source,
@@ -378,4 +382,3 @@ def log_transfer(
     with _recorders_lock:
         for log in _recorders:
             log.append(record)
-

@@ -1,16 +1,29 @@
 """Long-lived worker threads: one per pipeline partition (or data-parallel replica).
 
-Workers live as long as the module that owns them, not one step: creating
-threads on every forward costs page faults (glibc's per-thread arenas) and
-leaves each new thread with PyTorch's default intra-op thread count, which
+Workers are long-lived, not made per step: creating threads on every
+forward costs page faults (glibc's per-thread arenas) and leaves each new
+thread with PyTorch's default intra-op thread count, which
 ``torch.set_num_threads`` in the caller's thread does not change. A worker
 sets its own intra-op thread count once, when it starts.
 
 A task's exception is carried back to the caller through its future, with
 its own type, message and traceback; the worker goes on serving the next task.
-Workers are daemon threads, stopped by :meth:`WorkerGroup.close` or when the
-owning object is garbage collected (a sentinel is queued; nothing joins
+Workers are daemon threads, stopped by :meth:`WorkerGroup.close` or when their
+:class:`WorkerGroup` is garbage collected (a sentinel is queued; nothing joins
 threads in ``__del__``).
+
+[Note: worker lifetime] A group lives as long as anything that may still
+submit to it: the module that made it, and every step in flight (a step holds
+its group, and the autograd graph of a pipelined output holds its step). So a
+backward that runs after the user dropped the module still finds its workers.
+Submitting to a worker that stopped raises at once; nothing queues work for a
+thread that will never run it.
+
+[Note: fork] A child process made by ``os.fork`` (a ``DataLoader`` worker, say)
+inherits the parent's objects but none of its threads, and locks held by
+those threads at the fork stay held. :func:`fork_generation` changes in every
+child, so an owner of workers or locks can tell it is in a new process and make
+fresh ones; a worker made in another process refuses tasks.
 
 [Note: workers at exit] A worker thread still winding down while the
 interpreter destroys PyTorch's static state can end the process with
@@ -20,6 +33,7 @@ and each is waited for, briefly; they are idle by then.
 """
 import atexit
 import contextlib
+import os
 import queue
 import threading
 import weakref
@@ -29,7 +43,7 @@ from typing import Any, Callable, ContextManager, Generator, List, Optional, Seq
 
 import torch
 
-__all__ = ["Worker", "WorkerGroup", "ThreadContext", "default_intra_op_threads"]
+__all__ = ["Worker", "WorkerGroup", "ThreadContext", "default_intra_op_threads", "fork_generation"]
 
 R = TypeVar("R")
 
@@ -37,6 +51,24 @@ _STOP = object()
 
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 _threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+_generation = 0
+
+
+def _forked() -> None:
+    global _generation
+    _generation += 1
+    _live.clear()  # the parent's workers have no thread here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def fork_generation() -> int:
+    """A number that changes in every child process made by ``os.fork`` (see [Note: fork])."""
+    return _generation
 
 
 @atexit.register
@@ -140,6 +172,8 @@ class Worker:
         self.name = name
         self.device = device
         self.num_threads = num_threads
+        self.generation = _generation
+        self._closed = False
         self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=_serve, args=(self._tasks, num_threads, device), name=name, daemon=True
@@ -149,13 +183,27 @@ class Worker:
         _threads.add(self._thread)
 
     def submit(self, fn: Callable[[], R]) -> "Future[R]":
-        """Queues ``fn``; its result (or exception) arrives through the returned future."""
+        """Queues ``fn``; its result (or exception) arrives through the returned future.
+
+        Raises:
+            RuntimeError: the worker was stopped, or belongs to the parent of
+                this (forked) process; its thread would never run ``fn``.
+        """
+        if not self.alive:
+            why = "was made before this process was forked" if self.generation != _generation else "was stopped"
+            raise RuntimeError(f"torchpipe worker {self.name} {why}; it cannot run tasks")
         future: Future[R] = Future()
         self._tasks.put((fn, future))
         return future
 
+    @property
+    def alive(self) -> bool:
+        """Whether the worker takes tasks: not stopped, and its thread exists in this process."""
+        return not self._closed and self.generation == _generation and self._thread.is_alive()
+
     def close(self) -> None:
         """Lets the thread finish its queued tasks and exit (does not wait for it)."""
+        self._closed = True
         self._tasks.put(_STOP)
 
     @property
@@ -164,11 +212,9 @@ class Worker:
 
 
 class WorkerGroup:
-    """Workers for a set of devices, stopped when ``owner`` is garbage collected.
+    """Workers for a set of devices, stopped when the group is garbage collected (see [Note: worker lifetime]).
 
     Args:
-        owner: the object whose lifetime bounds the workers (a ``GPipe`` or a
-            ``DataParallel``); the workers hold no reference to it.
         devices: one worker per entry, in order.
         name: a prefix for the thread names (``torchpipe-<name>-<index>``).
         num_threads: intra-op threads per worker; default
@@ -177,7 +223,6 @@ class WorkerGroup:
 
     def __init__(
         self,
-        owner: object,
         devices: Sequence[torch.device],
         name: str,
         num_threads: Optional[Sequence[int]] = None,
@@ -186,7 +231,8 @@ class WorkerGroup:
         self.workers = [
             Worker(f"torchpipe-{name}-{i}", device, n) for i, (device, n) in enumerate(zip(devices, threads))
         ]
-        self._finalizer = weakref.finalize(owner, WorkerGroup._close_all, list(self.workers))
+        # The workers' threads hold no reference to the group, so it can be collected; then they stop.
+        self._finalizer = weakref.finalize(self, WorkerGroup._close_all, list(self.workers))
 
     @staticmethod
     def _close_all(workers: List[Worker]) -> None:
@@ -198,6 +244,11 @@ class WorkerGroup:
 
     def __getitem__(self, index: int) -> Worker:
         return self.workers[index]
+
+    @property
+    def alive(self) -> bool:
+        """Whether every worker takes tasks (false in a forked child, or after :meth:`close`)."""
+        return all(w.alive for w in self.workers)
 
     def close(self) -> None:
         """Stops every worker (idempotent)."""

@@ -177,7 +177,7 @@ class DataParallel(nn.Module):
             return [self.module(*args, **kwargs)]
         devices = self.device_ids[: len(arguments)]
         if self._workers is None:
-            self._workers = WorkerGroup(self, self.device_ids, "dp")
+            self._workers = WorkerGroup(self.device_ids, "dp")
         replicas = replicate(self.module, devices)
         return parallel_apply(replicas, arguments, self._workers)
 

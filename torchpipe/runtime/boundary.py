@@ -1,0 +1,98 @@
+"""Stage boundaries: the leaves a stage's graph starts from, and the backward of one stage's graph.
+
+[Note: boundaries] Each stage's input for a micro-batch is a detached leaf
+(requiring grad when the tensor it stands for does), and its output keeps its
+graph, so every (stage, micro-batch) owns a small autograd graph cut at the
+stage boundaries. The backward of stage ``s`` for micro-batch ``i`` runs on
+that graph alone and hands the leaves' gradients to stage ``s - 1``. This lets
+each backward run as a task on its stage's worker (on CPU the autograd engine
+runs a backward on the thread that calls it, so one big graph would run the
+whole backward on one thread), makes checkpointing simple (a recomputation runs
+the stage again from the same leaves), and is what one process per stage needs.
+"""
+from contextlib import contextmanager
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Boundary", "is_differentiable", "make_leaves", "alias", "own_gradients"]
+
+
+class Boundary(torch.autograd.Function):
+    """The input a stage sees: an alias of its leaves that is not a leaf itself.
+
+    ::
+
+        forward:   leaf ──► alias (same memory)       so an in-place first layer works,
+        backward:  leaf.grad ◄── grad                  as on any intermediate tensor
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *leaves: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(leaf.detach() for leaf in leaves)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Tuple[Tensor, ...]:
+        return grads
+
+
+def is_differentiable(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s dtype can carry a gradient."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def make_leaves(tensors: Sequence[Tensor], requires_grad: Sequence[bool]) -> Tuple[Tensor, ...]:
+    """Detached leaves of ``tensors`` (same memory), each requiring grad where its flag says and its dtype allows."""
+    return tuple(
+        t.detach().requires_grad_(flag and is_differentiable(t)) for t, flag in zip(tensors, requires_grad)
+    )
+
+
+def alias(leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    """The stage's view of its leaves (see :class:`Boundary`); leaves without grad pass as they are."""
+    needing = [k for k, leaf in enumerate(leaves) if leaf.requires_grad]
+    if not needing:
+        return leaves
+    aliases = Boundary.apply(*(leaves[k] for k in needing))  # type: ignore[no-untyped-call]
+    result = list(leaves)
+    for k, view in zip(needing, aliases):
+        result[k] = view
+    return tuple(result)
+
+
+@contextmanager
+def own_gradients(params: Sequence[Tensor]) -> Generator[List[Optional[Tensor]], None, None]:
+    """Runs a backward that leaves ``params``' ``.grad`` and hooks as they were; yields, filled after the
+    block, the gradient the block accumulated into each parameter (None: none).
+
+    [Note: parameter gradients] A GPipe stage's backward of one micro-batch
+    accumulates into every leaf of its graph as usual (its input leaves, and
+    any tensor a layer uses that requires grad), but the gradients of the
+    module's own parameters it takes aside: GPipe's autograd function returns
+    their sums over micro-batches to the autograd engine, which accumulates
+    them into ``.grad`` (or hands them to the user's ``torch.autograd.grad``,
+    touching no ``.grad``) and runs the parameters' hooks then, once, on the
+    whole gradient, as without GPipe. So for the block each parameter's
+    ``.grad`` is set aside and its hooks are silenced (emptied in place, the
+    engine reads them from the same dict), then both are put back. Only the
+    stage's own worker runs its backward, so nothing else sees the swap.
+    """
+    saved_grads = [p.grad for p in params]
+    muted: List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]] = []
+    for param in params:
+        param.grad = None
+        for attribute in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            hooks = getattr(param, attribute, None)
+            if hooks:
+                muted.append((hooks, list(hooks.items())))
+                hooks.clear()
+    found: List[Optional[Tensor]] = []
+    try:
+        yield found
+    finally:
+        for param, grad in zip(params, saved_grads):
+            found.append(param.grad)
+            param.grad = grad
+        for hooks, items in muted:
+            hooks.update(items)

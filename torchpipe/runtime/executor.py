@@ -1,0 +1,89 @@
+"""The executor: runs each worker's list of actions for one step, and ends the step as one.
+
+Each worker runs its actions in order on its own thread (a worker thread in
+one process); actions of workers marked inline run on the caller's thread (see
+[Note: backward threads]). The first action to fail aborts the step's
+transport: every action waiting for a message gives up, and no worker starts
+another action, so the step ends at once everywhere. The executor waits for
+every worker to stop (no task of a failed or interrupted step runs on, writing
+gradients, after the caller has moved on) and raises the first failure with
+its own type and message.
+"""
+import functools
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import List, Optional, Sequence
+
+from torchpipe.runtime import stage
+from torchpipe.runtime.step import Step
+from torchpipe.runtime.transport import Aborted
+from torchpipe.schedule import Action, Schedule
+
+__all__ = ["execute"]
+
+
+def execute(step: Step, schedule: Schedule, inline: Sequence[Action] = ()) -> None:
+    """Runs every action of ``schedule`` for ``step``; ``inline`` actions on the calling thread, in that order.
+
+    Raises:
+        BaseException: the first action's failure (with its type, message and
+            traceback), after every worker has stopped; or what interrupted
+            the caller's wait (``KeyboardInterrupt``), likewise.
+    """
+    inline_workers = {step.runner.stage_workers[a.stage] for a in inline}
+    futures: List[Future[None]] = []
+    failure: Optional[BaseException] = None
+    try:
+        pending = [(w, actions) for w, actions in enumerate(schedule.workers) if actions and w not in inline_workers]
+        if pending:
+            workers = step.runner.workers()
+            for w, actions in pending:
+                futures.append(workers[w].submit(functools.partial(_run_actions, step, actions)))
+        if inline:
+            try:
+                _run_actions(step, inline)
+            except BaseException as exc:  # noqa: B036 - raised below, once every worker has stopped
+                failure = exc
+        wait_futures(futures)
+    except BaseException:
+        # Interrupted while waiting (KeyboardInterrupt, say), or a worker could not take the task: stop every
+        # worker, and let the tasks already running end, before the caller moves on.
+        step.transport.abort()
+        _wait_for(futures)
+        futures.clear()
+        raise
+    errors = [failure] + [f.exception() for f in futures]
+    futures.clear()
+    failure = None
+    root = next((e for e in errors if e is not None and not isinstance(e, Aborted)), None)
+    if root is None:
+        root = next((e for e in errors if e is not None), None)
+    errors.clear()
+    if root is not None:
+        # [Note: failed steps] Raise without leaving the exception in this frame's locals: its traceback
+        # holds this frame, and a cycle through it would keep the step's tensors until the garbage collector
+        # runs; without it they are freed as soon as the caller drops the exception.
+        try:
+            raise root
+        finally:
+            root = None
+
+
+def _run_actions(step: Step, actions: Sequence[Action]) -> None:
+    transport = step.transport
+    try:
+        for action in actions:
+            if transport.aborted:
+                raise Aborted(f"stopped before {action}: another action of the step failed")
+            stage.run(step, action)
+    except BaseException:
+        transport.abort()
+        raise
+
+
+def _wait_for(futures: Sequence["Future[None]"]) -> None:
+    """Waits for ``futures``; a second interruption gives up waiting."""
+    try:
+        wait_futures(futures)
+    except BaseException:  # noqa: B036 - the caller re-raises the first interruption
+        pass

@@ -1,0 +1,285 @@
+"""The work of one action: a stage's forward, recomputation, backward, or half backward of one micro-batch.
+
+Each function takes the step and the (stage, micro-batch) and does what the
+action's letter says, receiving what it needs and sending what it makes
+through the step's transport:
+
+- ``F`` :func:`forward`: the stage's input (from the step's micro-batch on
+  stage 0, else from the previous stage) becomes leaves; the stage runs,
+  under ``no_grad`` when checkpointed (keeping a copy of its input), else
+  with grad (keeping its graph); the output goes to the next stage, or, on the
+  last stage, becomes the micro-batch's result or loss.
+- ``R`` :func:`recompute`: the checkpointed forward again, with grad, on the
+  same random stream.
+- ``B`` :func:`backward`: the backward of the stage's graph given the output's
+  gradient; the input's gradient goes to the previous stage.
+- ``I`` :func:`backward_input` and ``W`` :func:`backward_weight`: the same,
+  split (see [Note: zero-bubble]).
+"""
+import contextlib
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch._C._autograd import _profiler_enabled
+from torch.autograd.profiler import record_function
+
+from torchpipe import microbatch, trace
+from torchpipe.context import task_context
+from torchpipe.microbatch import Batch
+from torchpipe.rng import seeded
+from torchpipe.runtime.boundary import alias, is_differentiable, make_leaves, own_gradients
+from torchpipe.runtime.step import StageState, Step
+from torchpipe.runtime.transport import Edge, EdgeKind, Message
+from torchpipe.runtime.weight_grad import backward_input as split_input
+from torchpipe.runtime.weight_grad import backward_weight as split_weight
+from torchpipe.schedule import Action, Kind
+from torchpipe.skip.tracker import SkipName, StageSkips, received_skips, send_skip_grads, stashed_roots
+from torchpipe.stream import use_device, use_stream
+
+__all__ = ["run", "forward", "recompute", "backward", "backward_input", "backward_weight"]
+
+_NOT_PROFILED = contextlib.nullcontext()
+
+
+def run(step: Step, action: Action) -> None:
+    """Runs ``action`` of ``step`` on the calling thread, under its device, stream and labels."""
+    s, i, kind = action.stage, action.microbatch, action.kind
+    label = kind.label
+    # record_function costs microseconds even with no profiler: label the action only when one runs.
+    profiled = record_function(f"torchpipe/part{s}/mb{i}/{label}") if _profiler_enabled() else _NOT_PROFILED
+    with use_device(step.runner.devices[s]), use_stream(step.streams[s]), profiled, trace.span(label, s, i):
+        _ACTIONS[kind](step, s, i)
+
+
+# --- forward and recomputation ----------------------------------------------------------------------------
+
+
+def forward(step: Step, s: int, i: int) -> None:
+    """``sFi``: the first forward of stage ``s`` for micro-batch ``i``."""
+    runner = step.runner
+    if s == 0:
+        assert step.batches is not None, "the step's input was released before its forwards ran"
+        batch = step.batches[i]
+        tensors: Sequence[Tensor] = batch.values
+        flags: Tuple[bool, ...] = tuple(t.requires_grad for t in tensors)
+        atomic = batch.atomic
+    else:
+        message = step.transport.recv(Edge(EdgeKind.ACTIVATION, i, s - 1, s))
+        trace.mark_start()  # the timeline shows the work, not the wait for the input
+        tensors = [t for t in message.tensors if t is not None]
+        flags, atomic = message.requires_grad, message.atomic
+    leaves = make_leaves(tensors, [f and step.grad_enabled for f in flags])
+    # Checkpoint only what a backward will need: with nothing requiring grad there is no graph to save, and
+    # the forward runs with grad so that the output requires grad exactly when the plain module's would.
+    checkpointed = i < step.checkpoint_stop and (
+        step.trainable[s] or any(leaf.requires_grad for leaf in leaves)
+    )
+    skips = StageSkips(step, s, i, checkpointing=checkpointed, recomputing=False) if runner.skip_layout else None
+    with step.context.entered(), seeded(runner.devices[s], step.seed_for(s, i)):
+        if checkpointed:
+            # The copy is what the recomputation starts from: a first layer that works in place changes
+            # the tensors it is given, not the copy.
+            saved = Batch.of([_copy(leaf) for leaf in leaves], atomic)
+            with torch.no_grad(), task_context(step.keys[i], checkpointing=True, skips=skips):
+                out, loss = _run_stage(step, s, i, Batch.of(leaves, atomic))
+        else:
+            saved = Batch.of(leaves, atomic)
+            with task_context(step.keys[i], skips=skips):
+                out, loss = _run_stage(step, s, i, Batch.of(alias(leaves), atomic))
+        if skips is not None:
+            skips.finish()
+    if step.grad_enabled:
+        state = step.states[(s, i)] = StageState(saved)
+        if not checkpointed:
+            state.outputs = out if loss is None else Batch(loss)
+        elif s == 0:
+            # The caller's tensors, whose in-place change before the backward the plain module would detect.
+            state.versions = [(t, t._version) for t in tensors]
+    if checkpointed:
+        # Computed without grad: whether an output will need one is known only at recomputation, so every
+        # differentiable output is taken to need one.
+        out_flags = tuple(is_differentiable(t) for t in out.values)
+    else:
+        out_flags = tuple(t.requires_grad for t in out.values)
+    trace.mark_end()
+    if s + 1 < runner.stages_count:
+        message = Message([t.detach() for t in out.values], out_flags, out.atomic)
+        step.transport.send(Edge(EdgeKind.ACTIVATION, i, s, s + 1), message)
+    elif loss is not None:
+        step.losses[i] = loss.detach()
+    else:
+        step.results[i] = Batch.of([t.detach() for t in out.values], out.atomic)
+        step.output_flags[i] = None if checkpointed else out_flags
+
+
+def recompute(step: Step, s: int, i: int) -> None:
+    """``sRi``: the forward of a checkpointed micro-batch again, with grad, just before its backward."""
+    state = step.states[(s, i)]
+    if state.versions is not None:
+        for tensor, version in state.versions:
+            if tensor._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: the input of micro-batch {i} (a {tensor.dtype} tensor of shape "
+                    f"{tuple(tensor.shape)}) is at version {tensor._version}; expected version {version} "
+                    "instead. GPipe recomputes checkpointed micro-batches from their input: do not modify it "
+                    "in place between forward and backward (or use checkpoint='never')."
+                )
+        state.versions = None
+    runner = step.runner
+    skips = StageSkips(step, s, i, checkpointing=False, recomputing=True) if runner.skip_layout else None
+    with step.context.entered(grad_enabled=True), seeded(runner.devices[s], step.seed_for(s, i)):
+        with task_context(step.keys[i], recomputing=True, skips=skips):
+            out, loss = _run_stage(step, s, i, Batch.of(alias(state.leaves.values), state.leaves.atomic))
+    state.outputs = out if loss is None else Batch(loss)
+
+
+def _run_stage(step: Step, s: int, i: int, inputs: Batch) -> Tuple[Batch, Optional[Tensor]]:
+    """Runs stage ``s`` on ``inputs``; on the last stage of a step with a loss, also the micro-batch's loss."""
+    runner = step.runner
+    output = runner.stages[s](inputs.value)
+    if not isinstance(output, Tensor):
+        microbatch.check_input(output, f"the output of {runner.noun} {s} (layers {runner.layer_names(s)})")
+    out = Batch(output)
+    if step.loss is None or s + 1 < runner.stages_count:
+        return out, None
+    fn, target = step.loss.fn, step.loss.targets[i]
+    if fn is None:
+        loss = output
+    elif target is None:
+        loss = fn(output)
+    else:
+        loss = fn(output, target)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+        source = "loss_fn" if fn is not None else "the module (with loss_fn=None its output is the loss)"
+        raise ValueError(f"{source} must return a single-element tensor, got {what}")
+    return out, loss.reshape(()) * step.loss.weights[i]
+
+
+def _copy(leaf: Tensor) -> Tensor:
+    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+
+
+# --- backward -----------------------------------------------------------------------------------------
+
+
+def _output_roots(step: Step, s: int, i: int, state: StageState) -> Tuple[List[Tensor], List[Tensor]]:
+    """The stage's outputs (or loss) that join its backward, with their gradients; then its stashed skips'."""
+    assert state.outputs is not None, f"{s}B{i} has no graph: its forward ran without grad or was not recomputed"
+    if step.loss is not None and s + 1 == step.runner.stages_count:
+        (loss,) = state.outputs.values
+        roots, grads = ([loss], [torch.ones_like(loss)]) if loss.requires_grad else ([], [])
+    else:
+        source = s + 1 if s + 1 < step.runner.stages_count else step.runner.stages_count  # the caller
+        message = step.transport.recv(Edge(EdgeKind.GRADIENT, i, source, s))
+        roots, grads = [], []
+        for tensor, grad in zip(state.outputs.values, message.tensors):
+            if grad is not None and tensor.requires_grad:
+                roots.append(tensor)
+                grads.append(grad)
+    trace.mark_start()
+    if step.runner.skip_layout:
+        skip_roots, skip_grads = stashed_roots(step, s, i)
+        roots += skip_roots
+        grads += skip_grads
+    return roots, grads
+
+
+def _hand_back(
+    step: Step,
+    s: int,
+    i: int,
+    input_grads: List[Optional[Tensor]],
+    skip_grads: Optional[Tuple[List[SkipName], List[Optional[Tensor]]]],
+) -> None:
+    """Sends the gradients of the stage's inputs to the previous stage and of its popped skips to theirs."""
+    trace.mark_end()
+    if skip_grads is not None:
+        names, grads = skip_grads
+        send_skip_grads(step, s, i, names, grads)
+    if s > 0:
+        step.transport.send(Edge(EdgeKind.GRADIENT, i, s, s - 1), Message(input_grads))
+    else:
+        step.input_grads[i] = input_grads
+        step.keys[i] = None  # the micro-batch's backward is over: release its identity
+
+
+def _inputs(
+    step: Step, s: int, i: int, state: StageState
+) -> Tuple[List[Tensor], List[SkipName], List[Optional[Tensor]]]:
+    """The leaves whose gradients the stage hands back (its inputs, then the skips it popped), the popped
+    skips' names, and their leaves (None where nothing was received)."""
+    names, popped = received_skips(step, s, i) if step.runner.skip_layout else ([], [])
+    return list(state.leaves.values) + [p for p in popped if p is not None], names, popped
+
+
+def _split(
+    grads: Sequence[Optional[Tensor]], count: int, names: List[SkipName], popped: List[Optional[Tensor]]
+) -> Tuple[List[Optional[Tensor]], Optional[Tuple[List[SkipName], List[Optional[Tensor]]]]]:
+    """Cuts the gradients of ``_inputs`` back into the inputs' and the popped skips'."""
+    rest = iter(grads[count:])
+    skip_grads = [next(rest) if p is not None else None for p in popped]
+    return list(grads[:count]), (names, skip_grads) if names else None
+
+
+def backward(step: Step, s: int, i: int) -> None:
+    """``sBi``: the backward of stage ``s``'s graph for micro-batch ``i``."""
+    state = step.states.pop((s, i))
+    roots, grads = _output_roots(step, s, i, state)
+    inputs, names, popped = _inputs(step, s, i, state)
+    count = len(state.leaves.values)
+    # A tensor a layer kept by hand under current_microbatch() (the user guide's skip dict) may join this
+    # graph to an earlier stage's, whose own backward then runs through the same nodes again: keep the graph
+    # then. Otherwise free it as the backward goes, as the plain module does.
+    key = step.keys[i]
+    keep = key is not None and key.observed
+    found: List[Optional[Tensor]]
+    if not roots:
+        found = [None] * len(inputs)
+    elif step.params is None:
+        # A Pipeline step: gradients accumulate into .grad, as loss.backward() on the plain module would.
+        torch.autograd.backward(roots, grads, retain_graph=keep)
+        found = [x.grad if x.requires_grad else None for x in inputs]
+    elif any(step.params):
+        # GPipe: the module's parameters' gradients go to the caller (see [Note: parameter gradients]).
+        with own_gradients(step.params[s]) as param_grads:
+            torch.autograd.backward(roots, grads, retain_graph=keep)
+        step.accumulate(s, param_grads)
+        found = [x.grad if x.requires_grad else None for x in inputs]
+    else:
+        # The caller asked for no parameter's gradient (torch.autograd.grad(output, input)): touch no .grad.
+        wanted = [x for x in inputs if x.requires_grad]
+        got = iter(torch.autograd.grad(roots, wanted, grads, allow_unused=True, retain_graph=keep) if wanted else ())
+        found = [next(got) if x.requires_grad else None for x in inputs]
+    del roots, grads, state
+    input_grads, skip_grads = _split(found, count, names, popped)
+    _hand_back(step, s, i, input_grads, skip_grads)
+
+
+def backward_input(step: Step, s: int, i: int) -> None:
+    """``sIi``: the gradients of stage ``s``'s inputs (and popped skips) for micro-batch ``i``; graph kept."""
+    state = step.states[(s, i)]
+    roots, grads = _output_roots(step, s, i, state)
+    inputs, names, popped = _inputs(step, s, i, state)
+    found, state.weight = split_input(roots, grads, inputs)
+    state.outputs = None  # the graph lives on in what W needs
+    input_grads, skip_grads = _split(found, len(state.leaves.values), names, popped)
+    _hand_back(step, s, i, input_grads, skip_grads)
+
+
+def backward_weight(step: Step, s: int, i: int) -> None:
+    """``sWi``: the gradients of stage ``s``'s parameters for micro-batch ``i``, into ``.grad``; graph freed."""
+    state = step.states.pop((s, i))
+    if state.weight is not None:
+        split_weight(state.weight)
+
+
+_ACTIONS = {
+    Kind.FORWARD: forward,
+    Kind.RECOMPUTE: recompute,
+    Kind.BACKWARD: backward,
+    Kind.BACKWARD_INPUT: backward_input,
+    Kind.BACKWARD_WEIGHT: backward_weight,
+}

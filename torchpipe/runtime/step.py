@@ -1,0 +1,137 @@
+"""One mini-batch in the pipeline: its plan, and the state its actions share while it runs."""
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from torchpipe.context import MicroBatch
+from torchpipe.microbatch import Batch
+from torchpipe.rng import may_draw, step_seed, task_seed
+from torchpipe.runtime.transport import LocalTransport, Transport
+from torchpipe.schedule import Action, Schedule
+from torchpipe.skip.registry import SkipRegistry
+from torchpipe.stream import current_stream
+from torchpipe.worker import ThreadContext
+
+if TYPE_CHECKING:
+    from torchpipe.runtime.runner import Runner
+    from torchpipe.runtime.weight_grad import WeightGradient
+
+__all__ = ["Plan", "Step", "StageState", "Loss"]
+
+
+class Plan(NamedTuple):
+    """What the runner executes for one shape of step (micro-batches, checkpointing): pure data.
+
+    ``schedule`` is the whole schedule, recomputations included; ``forward``
+    its forward actions (GPipe's first phase, and every forward-only step);
+    ``backward`` the rest (GPipe's second phase). ``inline`` lists, in the
+    order a single thread can run them, the backward actions of the workers
+    that run on the caller's thread (see [Note: backward threads]).
+    """
+
+    schedule: Schedule
+    forward: Schedule
+    backward: Schedule
+    inline: Tuple[Action, ...]
+
+
+class Loss(NamedTuple):
+    """How the last stage turns a micro-batch's output into its share of the loss (a ``Pipeline`` step)."""
+
+    #: ``loss_fn(output, target)``, or None when the module's output is the loss.
+    fn: Optional[Callable[..., Tensor]]
+    #: Per micro-batch: its target (None when there is none) and its weight in the total.
+    targets: List[Any]
+    weights: List[float]
+
+
+class StageState:
+    """What the actions of one (stage, micro-batch) keep for each other."""
+
+    __slots__ = ("leaves", "outputs", "versions", "weight")
+
+    def __init__(self, leaves: Batch) -> None:
+        #: The tensors the stage's graph starts from (a copy, when the forward was checkpointed).
+        self.leaves = leaves
+        #: The stage's outputs with their graph (after a forward with grad, or a recomputation).
+        self.outputs: Optional[Batch] = None
+        #: For a checkpointed forward of stage 0: the caller's input tensors and their versions then.
+        self.versions: Optional[List[Tuple[Tensor, int]]] = None
+        #: After a backward-input action: what the backward-weight action needs.
+        self.weight: Optional[WeightGradient] = None
+
+
+class Step:
+    """One mini-batch in the pipeline: its plan and the state its actions share.
+
+    A step holds its :class:`Runner` (and so its workers: see [Note: worker
+    lifetime]); GPipe's autograd function holds the step until its backward.
+    """
+
+    def __init__(
+        self,
+        runner: "Runner",
+        batches: List[Batch],
+        *,
+        grad_enabled: bool,
+        training: bool,
+        checkpoint_stop: int,
+        loss: Optional[Loss] = None,
+    ) -> None:
+        self.runner = runner
+        self.batches: Optional[List[Batch]] = batches
+        self.microbatches = len(batches)
+        self.grad_enabled = grad_enabled
+        self.training = training
+        self.checkpoint_stop = checkpoint_stop
+        self.loss = loss
+        #: Per stage: whether it may draw random numbers (see [Note: random streams]) and whether it has
+        #: parameters a backward would differentiate.
+        self.draws = [may_draw(stage) for stage in runner.stages]
+        self.trainable = [grad_enabled and any(p.requires_grad for p in stage.parameters()) for stage in runner.stages]
+        self.seed = step_seed() if any(self.draws) else None
+        self.context = ThreadContext.capture()
+        self.plan = runner.plan(self.microbatches, checkpoint_stop)
+        self.keys: List[Optional[MicroBatch]] = [MicroBatch(i) for i in range(self.microbatches)]
+        self.streams = [current_stream(d) for d in runner.devices]
+        self.transport: Transport = LocalTransport(runner, self.streams)
+        self.states: Dict[Tuple[int, int], StageState] = {}
+        self.skips = SkipRegistry()
+        #: The last stage's output per micro-batch (GPipe, and forward-only steps).
+        self.results: List[Optional[Batch]] = [None] * self.microbatches
+        #: Per micro-batch: whether each output tensor requires grad (as recorded by the last stage).
+        self.output_flags: List[Optional[Tuple[bool, ...]]] = [None] * self.microbatches
+        #: The loss of each micro-batch, weighted, without graph (a Pipeline step).
+        self.losses: List[Optional[Tensor]] = [None] * self.microbatches
+        #: GPipe's backward: the gradients of stage 0's inputs, per micro-batch.
+        self.input_grads: List[Optional[List[Optional[Tensor]]]] = [None] * self.microbatches
+        #: GPipe: per stage, its parameters that require grad (inputs of the autograd function, in order).
+        self.stage_params: List[List[Tensor]] = [[] for _ in runner.stages]
+        #: GPipe's backward: per stage, the parameters whose gradients the caller's backward needs, and
+        #: their sums over micro-batches. None: a Pipeline step, whose backward accumulates into .grad.
+        self.params: Optional[List[List[Tensor]]] = None
+        self.param_grads: Optional[List[List[Optional[Tensor]]]] = None
+        self.backward_done = False
+
+    def seed_for(self, stage: int, microbatch: int) -> Optional[int]:
+        """The seed of the random stream of ``stage``'s forward of ``microbatch`` (None: it draws nothing)."""
+        if self.seed is None or not self.draws[stage]:
+            return None
+        return task_seed(self.seed, stage, microbatch)
+
+    def take_results(self) -> List[Batch]:
+        """The last stage's outputs, in micro-batch order (each handed out once)."""
+        results, self.results = self.results, [None] * self.microbatches
+        missing = [i for i, r in enumerate(results) if r is None]
+        assert not missing, f"micro-batches {missing} produced no output"
+        return [r for r in results if r is not None]
+
+    def accumulate(self, stage: int, grads: Sequence[Optional[Tensor]]) -> None:
+        """Adds one micro-batch's parameter gradients of ``stage`` to the step's sums (GPipe)."""
+        assert self.param_grads is not None
+        sums = self.param_grads[stage]
+        for k, grad in enumerate(grads):
+            if grad is None:
+                continue
+            sums[k] = grad if sums[k] is None else torch.add(sums[k], grad)  # type: ignore[arg-type]

@@ -1,0 +1,146 @@
+"""The transport between stages: typed edges, the messages they carry, and the in-process mailbox.
+
+[Note: transports] The stages' actions never know whether the next stage is a
+thread or a process: they ``send`` and ``recv`` messages named by an
+:class:`Edge` (what the message is, for which micro-batch, from which stage to
+which). In one process, :class:`LocalTransport` hands tensors over through a
+mailbox, copied between devices on copy streams; across processes the same
+protocol runs over ``torch.distributed`` (:mod:`torchpipe.distributed`). Either
+transport makes every waiting ``recv`` end when any action fails (``abort``),
+which is what keeps "nothing hangs" true.
+"""
+import enum
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Protocol, Tuple
+
+from torch import Tensor
+
+from torchpipe import trace, transfer
+from torchpipe.skip.namespace import Namespace
+from torchpipe.stream import CPU_EVENT, AbstractEvent, AbstractStream
+
+if TYPE_CHECKING:
+    from torchpipe.runtime.runner import Runner
+
+__all__ = ["EdgeKind", "Edge", "Message", "Transport", "LocalTransport", "Aborted"]
+
+
+class EdgeKind(str, enum.Enum):
+    """What a message carries."""
+
+    #: A stage's output, to the next stage.
+    ACTIVATION = "activation"
+    #: The gradient of a stage's input, to the previous stage (or of the output, from the caller).
+    GRADIENT = "gradient"
+    #: A tensor a skippable layer stashed, straight to the stage that pops it.
+    SKIP = "skip"
+    #: The gradient of a popped skip tensor, straight back to the stage that stashed it.
+    SKIP_GRADIENT = "skip-gradient"
+
+
+@dataclass(frozen=True)
+class Edge:
+    """The name of one message: its kind, micro-batch, source and target stages, and skip name if any."""
+
+    kind: EdgeKind
+    microbatch: int
+    source: int
+    target: int
+    skip: Optional[Tuple[Namespace, str]] = None
+
+    def __str__(self) -> str:
+        what = self.kind.value if self.skip is None else f"{self.kind.value} {self.skip[1]!r} ({self.skip[0]})"
+        return f"{what} of micro-batch {self.microbatch} from stage {self.source} to stage {self.target}"
+
+
+class Message(NamedTuple):
+    """Tensors handed from one stage to another.
+
+    ``requires_grad`` says which tensors the receiver's leaves should require
+    grad for; ``atomic`` whether the stage returned a single tensor (not a
+    tuple); ``event`` marks the end of the copy on CUDA. A skip message with no
+    tensor at all (``tensors == []``) says the layer did not stash it this time.
+    """
+
+    tensors: List[Optional[Tensor]]
+    requires_grad: Tuple[bool, ...] = ()
+    atomic: bool = False
+    event: AbstractEvent = CPU_EVENT
+
+
+class Aborted(Exception):
+    """Raised in an action that waited for a message another, failed, action was to send."""
+
+
+class Transport(Protocol):
+    """How the actions of one step exchange messages (see [Note: transports])."""
+
+    @property
+    def aborted(self) -> bool: ...
+
+    def send(self, edge: Edge, message: Message) -> None: ...
+
+    def recv(self, edge: Edge) -> Message: ...
+
+    def abort(self) -> None: ...
+
+
+class LocalTransport:
+    """The messages of one step between the stages of one process: a mailbox, and copies between devices.
+
+    ``send`` starts the copy to the target stage's device (on the copy streams,
+    on CUDA) and leaves the message; ``recv`` waits for it, then makes the
+    target's stream wait for the copy.
+    """
+
+    def __init__(self, runner: "Runner", streams: List[AbstractStream]) -> None:
+        self.runner = runner
+        self.streams = streams
+        self._cond = threading.Condition()
+        self._slots: Dict[Edge, Message] = {}
+        self._aborted = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def send(self, edge: Edge, message: Message) -> None:
+        runner = self.runner
+        # The caller hands the output's gradients to the last stage as if from a stage after it.
+        source = min(edge.source, len(runner.devices) - 1)
+        source_device, target_device = runner.devices[source], runner.devices[edge.target]
+        # A real copy (between devices) is a task of its own on the timeline; on CUDA it shows the time to
+        # queue the copy, which then runs on the copy streams.
+        copying = trace.span("copy", source, edge.microbatch) if source_device != target_device else trace.NOTHING
+        with copying:
+            streams = runner.copy_streams()
+            tensors, event = transfer.send(
+                message.tensors,
+                target_device,
+                source_stream=self.streams[source],
+                source_copy_stream=streams[source],
+                target_copy_stream=streams[edge.target],
+            )
+        transfer.log_transfer(
+            edge.kind.value, edge.source, edge.target, edge.microbatch, tensors, source_device, target_device,
+            None if edge.skip is None else edge.skip[1],
+        )
+        with self._cond:
+            self._slots[edge] = message._replace(tensors=tensors, event=event)
+            self._cond.notify_all()
+
+    def recv(self, edge: Edge) -> Message:
+        with self._cond:
+            while edge not in self._slots:
+                if self._aborted:
+                    raise Aborted(f"another pipeline action failed while this one waited for the {edge}")
+                self._cond.wait()
+            message = self._slots.pop(edge)
+        tensors = transfer.receive(message.tensors, message.event, self.streams[edge.target])
+        return message._replace(tensors=tensors)
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()

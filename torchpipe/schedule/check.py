@@ -1,0 +1,261 @@
+"""Checking and simulating schedules: the dependencies of each action, validate, and a timed simulation.
+
+Dependencies are the same for every schedule (and every transport, threads or
+processes): a forward needs the previous stage's forward of the same
+micro-batch; a recomputation needs the stage's forward; a backward (``B``, or
+the input half ``I`` of a split one) needs the stage's forward, its
+recomputation if it has one, and the next stage's backward (its ``B`` or its
+``I``); the weight half ``W`` needs the stage's ``I``. Skip connections add no
+dependency of their own: a skip goes from an earlier stage to a later one, and
+the chain of forwards (and of backwards, in reverse) already orders both ends.
+
+:func:`simulate` runs a schedule in virtual time: each worker executes its
+list in order, starting an action as soon as the worker is free and the
+actions it depends on have ended (plus a communication delay between
+workers). It gives the step time, each worker's busy time and the bubble
+fraction, and finds deadlocks.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
+
+from torchpipe.schedule.actions import Action, Kind, Schedule
+
+__all__ = [
+    "dependencies",
+    "validate",
+    "simulate",
+    "Simulation",
+    "clock_cycles",
+    "DEFAULT_COSTS",
+    "Costs",
+]
+
+#: Per-action costs for :func:`simulate`: a cost per kind, or a function of the action.
+Costs = Union[Mapping[Kind, float], Callable[[Action], float]]
+
+#: A backward costs about twice a forward; its two halves about a forward each.
+DEFAULT_COSTS: Mapping[Kind, float] = {
+    Kind.FORWARD: 1.0,
+    Kind.RECOMPUTE: 1.0,
+    Kind.BACKWARD: 2.0,
+    Kind.BACKWARD_INPUT: 1.0,
+    Kind.BACKWARD_WEIGHT: 1.0,
+}
+
+_BACKWARDS = (Kind.BACKWARD, Kind.BACKWARD_INPUT)
+
+
+def dependencies(action: Action, stages: int, present: FrozenSet[Action]) -> List[Action]:
+    """The actions whose results ``action`` needs, among those ``present`` in the schedule.
+
+    Args:
+        action: the action.
+        stages: the number of stages of the pipeline.
+        present: every action of the schedule (a stage's backward is ``B`` or
+            ``I``, whichever it has; a recomputation is waited for only if the
+            schedule has one).
+    """
+    s, i = action.stage, action.microbatch
+    if action.kind is Kind.FORWARD:
+        return [Action(s - 1, Kind.FORWARD, i)] if s > 0 else []
+    if action.kind is Kind.RECOMPUTE:
+        return [Action(s, Kind.FORWARD, i)]
+    if action.kind is Kind.BACKWARD_WEIGHT:
+        return [Action(s, Kind.BACKWARD_INPUT, i)]
+    needs = [Action(s, Kind.FORWARD, i)]
+    recompute = Action(s, Kind.RECOMPUTE, i)
+    if recompute in present:
+        needs.append(recompute)
+    if s + 1 < stages:
+        whole = Action(s + 1, Kind.BACKWARD, i)
+        needs.append(whole if whole in present else Action(s + 1, Kind.BACKWARD_INPUT, i))
+    return needs
+
+
+def validate(schedule: Schedule, *, backward: bool = True) -> None:
+    """Checks that ``schedule`` can run; raises ``ValueError`` listing every problem.
+
+    A problem is an action in the list of a worker that does not run its
+    stage; a stage or micro-batch out of range; an action that appears twice;
+    a missing forward or (with ``backward``) a stage and micro-batch with no
+    backward (``B``, or ``I`` and ``W``), or with both kinds; a recomputation,
+    backward or weight gradient placed before what it needs on its own worker;
+    and a deadlock (executing the lists in order, each action waiting for its
+    :func:`dependencies`, cannot finish).
+    """
+    problems: List[str] = []
+    stages, m = schedule.stages, schedule.microbatches
+    if m < 1:
+        problems.append(f"a schedule needs at least one micro-batch, got {m}")
+    if stages < 1:
+        problems.append("a schedule needs at least one stage")
+    for s, w in enumerate(schedule.stage_workers):
+        if not 0 <= w < schedule.num_workers:
+            problems.append(f"stage {s} is mapped to worker {w}, but there are {schedule.num_workers} workers")
+    position: Dict[Action, Tuple[int, int]] = {}
+    for w, actions in enumerate(schedule.workers):
+        for k, action in enumerate(actions):
+            if not 0 <= action.stage < stages:
+                problems.append(f"{action} names a stage outside 0..{stages - 1}")
+            elif schedule.stage_workers[action.stage] != w:
+                problems.append(
+                    f"{action} is in the list of worker {w}, but stage {action.stage} runs on worker "
+                    f"{schedule.stage_workers[action.stage]}"
+                )
+            if not 0 <= action.microbatch < m:
+                problems.append(f"{action} names a micro-batch outside 0..{m - 1}")
+            if action in position:
+                problems.append(f"{action} appears twice")
+            else:
+                position[action] = (w, k)
+
+    def at(stage: int, kind: Kind, i: int) -> Optional[int]:
+        found = position.get(Action(stage, kind, i))
+        return None if found is None else found[1]
+
+    for s in range(stages):
+        for i in range(m):
+            f, r, b = at(s, Kind.FORWARD, i), at(s, Kind.RECOMPUTE, i), at(s, Kind.BACKWARD, i)
+            bi, bw = at(s, Kind.BACKWARD_INPUT, i), at(s, Kind.BACKWARD_WEIGHT, i)
+            if f is None:
+                problems.append(f"{Action(s, Kind.FORWARD, i)} is missing")
+            if backward:
+                if b is None and bi is None and bw is None:
+                    problems.append(
+                        f"{Action(s, Kind.BACKWARD, i)} is missing "
+                        f"(or {Action(s, Kind.BACKWARD_INPUT, i)} and {Action(s, Kind.BACKWARD_WEIGHT, i)})"
+                    )
+                elif b is not None and (bi is not None or bw is not None):
+                    problems.append(f"stage {s} has both a whole and a split backward of micro-batch {i}")
+                elif b is None and (bi is None) != (bw is None):
+                    have, lack = (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) if bw is None else (
+                        Kind.BACKWARD_WEIGHT, Kind.BACKWARD_INPUT)
+                    problems.append(f"{Action(s, have, i)} has no {Action(s, lack, i)}")
+            first_backward = b if b is not None else bi
+            if r is not None:
+                if f is not None and r < f:
+                    problems.append(f"{Action(s, Kind.RECOMPUTE, i)} comes before its forward")
+                if first_backward is not None and first_backward < r:
+                    problems.append(f"{Action(s, Kind.RECOMPUTE, i)} comes after its backward")
+                if backward and first_backward is None:
+                    problems.append(f"{Action(s, Kind.RECOMPUTE, i)} has no backward to recompute for")
+            if first_backward is not None and f is not None and first_backward < f:
+                kind = Kind.BACKWARD if b is not None else Kind.BACKWARD_INPUT
+                problems.append(f"{Action(s, kind, i)} comes before its forward")
+            if bi is not None and bw is not None and bw < bi:
+                weight, inputs = Action(s, Kind.BACKWARD_WEIGHT, i), Action(s, Kind.BACKWARD_INPUT, i)
+                problems.append(f"{weight} comes before its {inputs}")
+    try:
+        simulate(schedule, {kind: 1.0 for kind in Kind})
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise ValueError(f"invalid schedule ({count}):\n  - " + "\n  - ".join(problems) + f"\nschedule:\n{schedule}")
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The result of :func:`simulate`."""
+
+    #: When the last action ends.
+    step_time: float
+    #: Per worker, the total cost of its actions.
+    busy: Tuple[float, ...]
+    #: Start and end of every action.
+    start: Dict[Action, float] = field(repr=False)
+    end: Dict[Action, float] = field(repr=False)
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of worker time spent idle: ``1 - sum(busy) / (workers * step_time)``."""
+        if self.step_time <= 0 or not self.busy:
+            return 0.0
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.step_time)
+
+    def order(self) -> List[Action]:
+        """Every action, by start time (ties: by worker order)."""
+        return sorted(self.start, key=lambda a: (self.start[a], self.end[a]))
+
+
+def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication: float = 0.0) -> Simulation:
+    """Runs ``schedule`` in virtual time; raises ``ValueError`` naming the stuck actions if it deadlocks.
+
+    Args:
+        schedule: the schedule.
+        costs: each action's duration: a cost per :class:`Kind` (default
+            :data:`DEFAULT_COSTS`: forward 1, backward 2, its halves 1 each,
+            recomputation 1), or a function of the action.
+        communication: added to a dependency's end when it ran on another worker.
+
+    Example::
+
+        >>> from torchpipe.schedule import gpipe, simulate
+        >>> round(simulate(gpipe(8, 4), {Kind.FORWARD: 1, Kind.BACKWARD: 1}).bubble, 4)  # (p-1)/(m+p-1)
+        0.2727
+    """
+    if costs is None:
+        costs = DEFAULT_COSTS
+    cost: Callable[[Action], float]
+    if callable(costs):
+        cost = costs
+    else:
+        table = dict(costs)
+
+        def cost(action: Action) -> float:
+            return float(table.get(action.kind, 1.0))
+
+    present = frozenset(schedule.actions())
+    worker_of = {a: w for w, actions in enumerate(schedule.workers) for a in actions}
+    start: Dict[Action, float] = {}
+    end: Dict[Action, float] = {}
+    free = [0.0] * schedule.num_workers
+    busy = [0.0] * schedule.num_workers
+    cursor = [0] * schedule.num_workers
+    needs = {a: [d for d in dependencies(a, schedule.stages, present) if d in present] for a in present}
+    remaining = len(present)
+    while remaining:
+        progressed = False
+        for w, actions in enumerate(schedule.workers):
+            while cursor[w] < len(actions):
+                action = actions[cursor[w]]
+                if action in end:  # a duplicate (validate reports it): nothing more to run
+                    cursor[w] += 1
+                    continue
+                deps = needs[action]
+                if not all(d in end for d in deps):
+                    break
+                ready = max((end[d] + (communication if worker_of[d] != w else 0.0) for d in deps), default=0.0)
+                begin = max(free[w], ready)
+                duration = cost(action)
+                start[action], end[action] = begin, begin + duration
+                free[w] = begin + duration
+                busy[w] += duration
+                cursor[w] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(actions[cursor[w]]) for w, actions in enumerate(schedule.workers) if cursor[w] < len(actions)]
+            waits = []
+            for w, actions in enumerate(schedule.workers):
+                if cursor[w] < len(actions):
+                    action = actions[cursor[w]]
+                    missing = [str(d) for d in needs[action] if d not in end]
+                    waits.append(f"{action} waits for {', '.join(missing)}")
+            raise ValueError(
+                f"schedule deadlocks: no worker can run its next action ({', '.join(stuck)}): " + "; ".join(waits)
+            )
+    return Simulation(max(end.values(), default=0.0), tuple(busy), start, end)
+
+
+def clock_cycles(schedule: Schedule) -> List[List[Action]]:
+    """The actions that run at each clock cycle when every action takes one cycle.
+
+    Raises ``ValueError`` if the schedule deadlocks.
+    """
+    result = simulate(schedule, {kind: 1.0 for kind in Kind})
+    cycles: List[List[Action]] = [[] for _ in range(int(result.step_time))]
+    for actions in schedule.workers:
+        for action in actions:
+            cycles[int(result.start[action])].append(action)
+    return [sorted(c, key=lambda a: (schedule.stage_workers[a.stage], a.stage)) for c in cycles]
