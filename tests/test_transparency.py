@@ -76,13 +76,13 @@ def check_transparent(
             assert a.grad is None or torch.count_nonzero(a.grad) == 0
         else:
             assert a.grad is not None
-            assert torch.allclose(a.grad, e.grad, atol=1e-5)
+            assert torch.allclose(a.grad, e.grad, rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(plain.named_parameters(), piped.parameters()):
         if p.grad is None:
             assert q.grad is None, name
         else:
             assert q.grad is not None, name
-            assert torch.allclose(q.grad, p.grad, atol=1e-5), name
+            assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-5), name  # float32 sums in another order
 
 
 @given(

@@ -187,7 +187,10 @@ class GPipe(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         batches = microbatch.scatter(input, self.chunks)
         stop = checkpoint_stop(self.checkpoint, len(batches), grad_enabled and self.training)
-        step = Step(self._runner, batches, grad_enabled=grad_enabled, training=self.training, checkpoint_stop=stop)
+        step = Step(
+            self._runner, batches, grad_enabled=grad_enabled, training=self.training, checkpoint_stop=stop,
+            watch_inputs=True,
+        )
         try:
             results = self._runner.run_forward(step)
             output = self._output(step, results, tensors)

@@ -66,7 +66,7 @@ def verify_balance(module: nn.Sequential, balance: Optional[Sequence[int]]) -> L
         entries = list(balance)
     except TypeError:
         raise BalanceError(f"balance must be a list of positive ints, got {balance!r}") from None
-    if not entries:
+    if not entries and len(module) > 0:
         raise BalanceError("balance is empty; give at least one partition")
     bad = [b for b in entries if not isinstance(b, numbers.Integral) or isinstance(b, bool) or b <= 0]
     if bad:

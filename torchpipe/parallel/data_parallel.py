@@ -176,7 +176,7 @@ class DataParallel(nn.Module):
             args, kwargs = arguments[0]
             return [self.module(*args, **kwargs)]
         devices = self.device_ids[: len(arguments)]
-        if self._workers is None:
+        if self._workers is None or not self._workers.alive:  # none yet, or made before this process forked
             self._workers = WorkerGroup(self.device_ids, "dp")
         replicas = replicate(self.module, devices)
         return parallel_apply(replicas, arguments, self._workers)

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from torchpipe.parallel.replicate import Replica
+from torchpipe.rng import may_draw, step_seed, streams, task_seed
 from torchpipe.transfer import map_structure, tensors_of
 from torchpipe.worker import ThreadContext, WorkerGroup
 
@@ -158,9 +159,12 @@ def _grad_task(
     return task
 
 
-def _forward_task(replica: Replica, arguments: Arguments, context: ThreadContext, label: str) -> Any:
+def _forward_task(
+    replica: Replica, arguments: Arguments, context: ThreadContext, label: str, seed: Optional[int]
+) -> Any:
     def task() -> Any:
-        with context.entered(), record_function(label):
+        # Each replica draws from a stream of its own (see [Note: random streams]).
+        with context.entered(), record_function(label), streams(seed):
             args, kwargs = arguments
             return replica.module(*args, **kwargs)
 
@@ -188,13 +192,15 @@ def parallel_apply(
         )
     devices = [r.device for r in replicas]
     context = ThreadContext.capture()
+    seed = step_seed() if may_draw(replicas[0].module) else None
+    seeds = [None if seed is None else task_seed(seed, i) for i in range(len(replicas))]
     sources: List[List[Tensor]] = [[t for t in tensors_of(a) if t.requires_grad] for a in arguments]
     needs_grad = context.grad_enabled and (
         any(s for s in sources) or any(p.requires_grad for r in replicas for p in r.parameters)
     )
     if not needs_grad:
         futures = [
-            workers[i].submit(_forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward"))
+            workers[i].submit(_forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward", seeds[i]))
             for i, (r, a) in enumerate(zip(replicas, arguments))
         ]
         return wait_all(futures, devices)
@@ -202,7 +208,7 @@ def parallel_apply(
     # Each replica records a graph of its own that starts at detached copies of its inputs.
     leaves: List[Arguments] = [map_structure(_detach_leaf, a) for a in arguments]
     futures = [
-        workers[i].submit(_forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward"))
+        workers[i].submit(_forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward", seeds[i]))
         for i, (r, a) in enumerate(zip(replicas, leaves))
     ]
     outputs = wait_all(futures, devices)

@@ -16,7 +16,7 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Boundary", "is_differentiable", "make_leaves", "alias", "own_gradients"]
+__all__ = ["Boundary", "is_differentiable", "make_leaves", "alias", "own_gradients", "own_version"]
 
 
 class Boundary(torch.autograd.Function):
@@ -47,6 +47,22 @@ def make_leaves(tensors: Sequence[Tensor], requires_grad: Sequence[bool]) -> Tup
     return tuple(
         t.detach().requires_grad_(flag and is_differentiable(t)) for t, flag in zip(tensors, requires_grad)
     )
+
+
+def own_version(tensor: Tensor) -> Tensor:
+    """A tensor on ``tensor``'s memory with a version counter of its own (not a view, no grad history).
+
+    The micro-batches of stage 0 are views of the caller's one input, and
+    views share their base's version counter: an in-place first layer working
+    on micro-batch 1 would look, to autograd, like a change of what micro-batch
+    0's graph saved. They are disjoint memory, so each gets its own counter;
+    a change of the caller's input between forward and backward is checked
+    by the runner instead (see ``StageState.versions``).
+    """
+    with torch.no_grad():
+        alias = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+        alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return alias
 
 
 def alias(leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:

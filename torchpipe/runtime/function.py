@@ -107,11 +107,8 @@ class PipelineFunction(torch.autograd.Function):
         # engine knows whether it will run the view of each parameter this function took as input.
         edges = ctx.next_functions[layout.phony + len(layout.positions) :]
         needed = iter([_will_run(edge[0]) for edge in edges])
-        wanted = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
-        step.params = [
-            [p for p, needs in zip(stage, flags) if needs] for stage, flags in zip(step.stage_params, wanted)
-        ]
-        step.param_grads = [[None] * len(stage) for stage in step.params]
+        step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
+        step.param_grads = [[None] * len(stage) for stage in step.stage_params]
         per_microbatch = split_grads(grad_outputs, ctx.output_sizes)
         input_grads = step.runner.run_backward(step, per_microbatch)
 
@@ -126,9 +123,6 @@ class PipelineFunction(torch.autograd.Function):
                 p if p is not None else torch.zeros(c.shape, dtype=dtype, device=device) for p, c in zip(parts, chunks)
             ]
             joined.append(torch.cat(filled) if len(filled) > 1 else filled[0])
-        param_grads: List[Optional[Tensor]] = []
-        for flags, sums in zip(wanted, step.param_grads):
-            found = iter(sums)
-            param_grads += [next(found) if needs else None for needs in flags]
+        param_grads = [g for sums in step.param_grads for g in sums]
         step.param_grads = None
         return (None, None, None, None, *([None] * layout.phony), *joined, *param_grads)

@@ -71,10 +71,11 @@ class Runner:
         self.worker_devices = list(worker_devices)
         self.skip_layout = skip_layout
         self.inline_backward = inline_backward
-        out = self.devices[-1]
+        out = self.devices[-1] if self.devices else None
         #: [Note: backward threads] workers whose backward-phase actions run on the caller's (engine) thread.
         self.inline: FrozenSet[int] = frozenset(
-            w for w, d in enumerate(self.worker_devices) if inline_backward and out.type == "cuda" and d == out
+            w for w, d in enumerate(self.worker_devices)
+            if inline_backward and out is not None and out.type == "cuda" and d == out
         )
         self._plans: Dict[Tuple[int, int], Plan] = {}
         self._workers: Optional[WorkerGroup] = None
@@ -156,6 +157,12 @@ class Runner:
         """Runs every forward action of ``step``; returns the last stage's output per micro-batch."""
         self._execute(step, step.plan.forward)
         step.batches = None
+        if step.watch_inputs:
+            # Micro-batches are views of one input and share its version counter: an in-place first layer
+            # bumps it in every forward. What counts is a change after the last one.
+            for state in step.states.values():
+                if state.versions is not None:
+                    state.versions = [(t, t._version) for t, _ in state.versions]
         return step.take_results() if step.loss is None else []
 
     def run_backward(self, step: Step, grads: Sequence[List[Optional[Tensor]]]) -> List[List[Optional[Tensor]]]:

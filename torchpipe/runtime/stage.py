@@ -27,8 +27,8 @@ from torch.autograd.profiler import record_function
 from torchpipe import microbatch, trace
 from torchpipe.context import task_context
 from torchpipe.microbatch import Batch
-from torchpipe.rng import seeded
-from torchpipe.runtime.boundary import alias, is_differentiable, make_leaves, own_gradients
+from torchpipe.rng import streams
+from torchpipe.runtime.boundary import alias, is_differentiable, make_leaves, own_gradients, own_version
 from torchpipe.runtime.step import StageState, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
 from torchpipe.runtime.weight_grad import backward_input as split_input
@@ -69,6 +69,9 @@ def forward(step: Step, s: int, i: int) -> None:
         trace.mark_start()  # the timeline shows the work, not the wait for the input
         tensors = [t for t in message.tensors if t is not None]
         flags, atomic = message.requires_grad, message.atomic
+    given = tensors
+    if s == 0:
+        tensors = [own_version(t) for t in tensors]  # see own_version: micro-batches share no version counter
     leaves = make_leaves(tensors, [f and step.grad_enabled for f in flags])
     # Checkpoint only what a backward will need: with nothing requiring grad there is no graph to save, and
     # the forward runs with grad so that the output requires grad exactly when the plain module's would.
@@ -76,7 +79,7 @@ def forward(step: Step, s: int, i: int) -> None:
         step.trainable[s] or any(leaf.requires_grad for leaf in leaves)
     )
     skips = StageSkips(step, s, i, checkpointing=checkpointed, recomputing=False) if runner.skip_layout else None
-    with step.context.entered(), seeded(runner.devices[s], step.seed_for(s, i)):
+    with step.context.entered(), streams(step.seed_for(s, i)):
         if checkpointed:
             # The copy is what the recomputation starts from: a first layer that works in place changes
             # the tensors it is given, not the copy.
@@ -93,9 +96,10 @@ def forward(step: Step, s: int, i: int) -> None:
         state = step.states[(s, i)] = StageState(saved)
         if not checkpointed:
             state.outputs = out if loss is None else Batch(loss)
-        elif s == 0:
-            # The caller's tensors, whose in-place change before the backward the plain module would detect.
-            state.versions = [(t, t._version) for t in tensors]
+        if s == 0 and step.watch_inputs:
+            # The caller's tensors, whose in-place change before the backward the plain module would detect
+            # (their versions are read when the forward phase is over: see Runner.run_forward).
+            state.versions = [(t, t._version) for t in given]
     if checkpointed:
         # Computed without grad: whether an output will need one is known only at recomputation, so every
         # differentiable output is taken to need one.
@@ -116,23 +120,28 @@ def forward(step: Step, s: int, i: int) -> None:
 def recompute(step: Step, s: int, i: int) -> None:
     """``sRi``: the forward of a checkpointed micro-batch again, with grad, just before its backward."""
     state = step.states[(s, i)]
-    if state.versions is not None:
-        for tensor, version in state.versions:
-            if tensor._version != version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: the input of micro-batch {i} (a {tensor.dtype} tensor of shape "
-                    f"{tuple(tensor.shape)}) is at version {tensor._version}; expected version {version} "
-                    "instead. GPipe recomputes checkpointed micro-batches from their input: do not modify it "
-                    "in place between forward and backward (or use checkpoint='never')."
-                )
-        state.versions = None
+    _check_input_versions(state, i)
     runner = step.runner
     skips = StageSkips(step, s, i, checkpointing=False, recomputing=True) if runner.skip_layout else None
-    with step.context.entered(grad_enabled=True), seeded(runner.devices[s], step.seed_for(s, i)):
+    with step.context.entered(grad_enabled=True), streams(step.seed_for(s, i)):
         with task_context(step.keys[i], recomputing=True, skips=skips):
             out, loss = _run_stage(step, s, i, Batch.of(alias(state.leaves.values), state.leaves.atomic))
     state.outputs = out if loss is None else Batch(loss)
+
+
+def _check_input_versions(state: StageState, i: int) -> None:
+    """Raises as autograd would if the caller changed micro-batch ``i``'s input in place since the forward."""
+    if state.versions is None:
+        return
+    for tensor, version in state.versions:
+        if tensor._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: the input of micro-batch {i} (a {tensor.dtype} tensor of shape {tuple(tensor.shape)}) "
+                f"is at version {tensor._version}; expected version {version} instead. The backward of a GPipe "
+                "needs its input as it was in the forward: do not modify it in place in between."
+            )
+    state.versions = None
 
 
 def _run_stage(step: Step, s: int, i: int, inputs: Batch) -> Tuple[Batch, Optional[Tensor]]:
@@ -227,6 +236,7 @@ def _split(
 def backward(step: Step, s: int, i: int) -> None:
     """``sBi``: the backward of stage ``s``'s graph for micro-batch ``i``."""
     state = step.states.pop((s, i))
+    _check_input_versions(state, i)
     roots, grads = _output_roots(step, s, i, state)
     inputs, names, popped = _inputs(step, s, i, state)
     count = len(state.leaves.values)
@@ -238,21 +248,22 @@ def backward(step: Step, s: int, i: int) -> None:
     found: List[Optional[Tensor]]
     if not roots:
         found = [None] * len(inputs)
-    elif step.params is None:
+    elif step.needed is None:
         # A Pipeline step: gradients accumulate into .grad, as loss.backward() on the plain module would.
         torch.autograd.backward(roots, grads, retain_graph=keep)
         found = [x.grad if x.requires_grad else None for x in inputs]
-    elif any(step.params):
-        # GPipe: the module's parameters' gradients go to the caller (see [Note: parameter gradients]).
-        with own_gradients(step.params[s]) as param_grads:
-            torch.autograd.backward(roots, grads, retain_graph=keep)
-        step.accumulate(s, param_grads)
-        found = [x.grad if x.requires_grad else None for x in inputs]
-    else:
+    elif any(step.stage_params) and not any(any(needed) for needed in step.needed):
         # The caller asked for no parameter's gradient (torch.autograd.grad(output, input)): touch no .grad.
         wanted = [x for x in inputs if x.requires_grad]
         got = iter(torch.autograd.grad(roots, wanted, grads, allow_unused=True, retain_graph=keep) if wanted else ())
         found = [next(got) if x.requires_grad else None for x in inputs]
+    else:
+        # GPipe: the module's parameters' gradients go to the caller (see [Note: parameter gradients]); a
+        # tensor a layer uses from outside the module gets its gradient in .grad, as without GPipe.
+        with own_gradients(step.stage_params[s]) as param_grads:
+            torch.autograd.backward(roots, grads, retain_graph=keep)
+        step.accumulate(s, param_grads)
+        found = [x.grad if x.requires_grad else None for x in inputs]
     del roots, grads, state
     input_grads, skip_grads = _split(found, count, names, popped)
     _hand_back(step, s, i, input_grads, skip_grads)

@@ -78,6 +78,7 @@ class Step:
         training: bool,
         checkpoint_stop: int,
         loss: Optional[Loss] = None,
+        watch_inputs: bool = False,
     ) -> None:
         self.runner = runner
         self.batches: Optional[List[Batch]] = batches
@@ -86,6 +87,9 @@ class Step:
         self.training = training
         self.checkpoint_stop = checkpoint_stop
         self.loss = loss
+        #: Whether the caller may change the input between the forward and backward phases (GPipe): then a
+        #: checkpointed micro-batch checks, before its recomputation, that its input was not modified.
+        self.watch_inputs = watch_inputs
         #: Per stage: whether it may draw random numbers (see [Note: random streams]) and whether it has
         #: parameters a backward would differentiate.
         self.draws = [may_draw(stage) for stage in runner.stages]
@@ -108,9 +112,9 @@ class Step:
         self.input_grads: List[Optional[List[Optional[Tensor]]]] = [None] * self.microbatches
         #: GPipe: per stage, its parameters that require grad (inputs of the autograd function, in order).
         self.stage_params: List[List[Tensor]] = [[] for _ in runner.stages]
-        #: GPipe's backward: per stage, the parameters whose gradients the caller's backward needs, and
+        #: GPipe's backward: per stage, which of its parameters' gradients the caller's backward needs, and
         #: their sums over micro-batches. None: a Pipeline step, whose backward accumulates into .grad.
-        self.params: Optional[List[List[Tensor]]] = None
+        self.needed: Optional[List[List[bool]]] = None
         self.param_grads: Optional[List[List[Optional[Tensor]]]] = None
         self.backward_done = False
 
@@ -128,10 +132,10 @@ class Step:
         return [r for r in results if r is not None]
 
     def accumulate(self, stage: int, grads: Sequence[Optional[Tensor]]) -> None:
-        """Adds one micro-batch's parameter gradients of ``stage`` to the step's sums (GPipe)."""
-        assert self.param_grads is not None
+        """Adds one micro-batch's gradients of ``stage``'s parameters to the step's sums (GPipe), where needed."""
+        assert self.param_grads is not None and self.needed is not None
         sums = self.param_grads[stage]
-        for k, grad in enumerate(grads):
-            if grad is None:
+        for k, (grad, needed) in enumerate(zip(grads, self.needed[stage])):
+            if grad is None or not needed:
                 continue
             sums[k] = grad if sums[k] is None else torch.add(sums[k], grad)  # type: ignore[arg-type]

@@ -1,0 +1,602 @@
+"""Regressions, each with its story: what went wrong, as a user met it, and what must hold now.
+
+Items numbered as in the trust issue (hangs, silent wrong results, leaks, compatibility).
+"""
+import copy
+import gc
+import multiprocessing
+import signal
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchpipe
+from tests.models import mlp
+from torchpipe import DataParallel, GPipe, TupleParallel
+from torchpipe.skip import pop, skippable, stash
+
+
+def cpu_gpipe(module: nn.Sequential, balance: List[int], **kwargs: Any) -> GPipe:
+    return GPipe(module, balance, devices=["cpu"] * len(balance), **kwargs)
+
+
+def grads_of(module: nn.Module) -> List[Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+
+# --- 1. a backward after the wrapper was dropped ---------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_backward_after_the_gpipe_was_dropped_finishes() -> None:
+    # The workers stopped when the GPipe was collected, though the autograd graph still needed them, and the
+    # backward queued its work to threads that had exited: it waited forever.
+    seq = mlp(2, 4)
+    x = torch.randn(6, 4, requires_grad=True)
+    GPipe(seq, [2, 2], devices=["cpu", "cpu"], chunks=3)(x).sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in seq.parameters())
+
+    def loss_only() -> Tensor:  # a function that builds the wrapper and returns only the loss
+        return GPipe(mlp(2, 4), [2, 2], devices=["cpu", "cpu"], chunks=2)(torch.randn(4, 4)).sum()
+
+    loss = loss_only()
+    gc.collect()
+    loss.backward()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wrapper", ["DataParallel", "TupleParallel"])
+def test_backward_after_the_data_parallel_wrapper_was_dropped_finishes(wrapper: str) -> None:
+    # The pattern of PyTorch's functional data_parallel: the wrapper lives for the forward only.
+    module = nn.Linear(4, 4)
+    x = torch.randn(6, 4)
+    if wrapper == "DataParallel":
+        out = DataParallel(module, ["cpu", "cpu"])(x)
+    else:
+        out = torch.cat(TupleParallel(module, ["cpu", "cpu"])([x[:3], x[3:]]))
+    gc.collect()
+    out.sum().backward()
+    assert module.weight.grad is not None
+
+
+# --- 2. fork ---------------------------------------------------------------------------------------------
+
+
+def _in_child(fn: Callable[[], float]) -> float:
+    """Runs ``fn`` in a child made by os.fork; its result, or a failure if it raised or hung (20 s)."""
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+
+    def target() -> None:
+        try:
+            child.send(("ok", fn()))
+        except BaseException as exc:  # noqa: B036 - reported to the parent
+            child.send(("error", repr(exc)))
+
+    process = context.Process(target=target, daemon=True)
+    process.start()
+    try:
+        if not parent.poll(20):
+            pytest.fail("the forked child hung")
+        status, value = parent.recv()
+    finally:
+        process.kill()
+        process.join(5)
+    assert status == "ok", value
+    return float(value)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_gets_fresh_workers() -> None:
+    # The child of os.fork has none of the parent's threads: every call used to wait for them forever.
+    model = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    model(x).sum().backward()  # the parent's workers exist
+    expected = model(x).sum().item()
+
+    def use() -> float:
+        out = model(x)
+        out.sum().backward()
+        return out.sum().item()
+
+    assert _in_child(use) == pytest.approx(expected)
+
+    replicas = DataParallel(nn.Linear(4, 4), ["cpu", "cpu"])
+    replicas(x).sum().backward()
+    assert _in_child(lambda: replicas(x).sum().item()) == pytest.approx(replicas(x).sum().item())
+
+
+@pytest.mark.timeout(90)
+def test_a_dataloader_worker_can_call_the_model() -> None:
+    model = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
+    model(torch.randn(4, 4))
+
+    class Dataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> Tensor:
+            with torch.no_grad():
+                return model(torch.full((2, 4), float(index)))
+
+    loader = torch.utils.data.DataLoader(Dataset(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    batches = list(loader)
+    with torch.no_grad():
+        assert torch.allclose(batches[1][0], model(torch.full((2, 4), 2.0)))
+
+
+# --- 3. a skip that does not run as declared -------------------------------------------------------------
+
+
+@skippable(stash=["skip"])
+class MaybeStash(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        if self.training:
+            yield stash("skip", x)
+        return x * 2
+
+
+@skippable(pop=["skip"])
+class PopSkip(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("skip")
+        return x + skip
+
+
+@skippable(pop=["skip"])
+class PopTwice(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("skip")
+        again = yield pop("skip")
+        return x + skip + again
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("skip", x)
+        return x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("balance", [[3], [1, 2], [1, 1, 1]])
+def test_a_declared_stash_not_made_is_a_runtime_error_everywhere(balance: List[int]) -> None:
+    # Across partitions the popping worker waited forever for a skip that the eval-mode layer never stashed.
+    model = nn.Sequential(MaybeStash(), nn.Identity(), PopSkip())
+    piped = cpu_gpipe(model, balance, chunks=2)
+    piped(torch.randn(4, 2))  # in training it is stashed
+    piped.eval()
+    with pytest.raises(RuntimeError, match="PopSkip popped 'skip'.*no earlier layer stashed it"):
+        piped(torch.randn(4, 2))
+    model.eval()
+    with pytest.raises(RuntimeError, match="PopSkip popped 'skip'"):  # the plain module says the same
+        model(torch.randn(4, 2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("balance", [[2], [1, 1]])
+def test_a_skip_popped_twice_is_a_runtime_error(balance: List[int]) -> None:
+    piped = cpu_gpipe(nn.Sequential(Stash(), PopTwice()), balance, chunks=2)
+    with pytest.raises(RuntimeError, match="PopTwice popped 'skip'"):
+        piped(torch.randn(4, 2))
+
+
+# --- 4. early stop ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_partition_stops_the_others_at_once() -> None:
+    # The other partitions used to run every queued micro-batch before the caller saw the exception.
+    calls = []
+
+    class Slow(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            calls.append(1)
+            time.sleep(0.1)
+            return x
+
+    class Fail(nn.Module):
+        failing = True
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.failing:
+                raise ValueError("layer failed")
+            return x
+
+    fail = Fail()
+    model = cpu_gpipe(nn.Sequential(nn.Identity(), Slow(), fail, nn.Identity()), [1, 1, 1, 1], chunks=10)
+    with pytest.raises(ValueError, match="layer failed"):
+        model(torch.randn(10, 2))
+    assert len(calls) <= 3, f"the slow partition ran {len(calls)} of 10 micro-batches after the failure"
+    fail.failing = False  # and the same GPipe works on the next call
+    calls.clear()
+    x = torch.randn(10, 2)
+    assert torch.equal(model(x), x) and len(calls) == 10
+
+
+# --- 5. Ctrl-C during backward -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_backward_returns_after_the_workers_stopped() -> None:
+    # The caller re-raised KeyboardInterrupt at once, and a worker still running its task wrote .grad half a
+    # second later, after the user's zero_grad().
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> Tensor:
+            time.sleep(0.5)
+            return grad
+
+    class Slow(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return SlowBackward.apply(x)  # type: ignore[no-any-return]
+
+    model = cpu_gpipe(nn.Sequential(nn.Linear(4, 4), Slow(), nn.Linear(4, 4), Slow()), [2, 2], chunks=2)
+    out = model(torch.randn(4, 4))
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        out.sum().backward()
+    timer.join()
+    model.zero_grad()
+    time.sleep(1.0)
+    assert all(p.grad is None for p in model.parameters()), "a worker wrote gradients after Ctrl-C returned"
+
+
+# --- 6. an in-place first layer of a checkpointed partition ---------------------------------------------
+
+
+class MulInPlace(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("first", [
+    lambda: nn.LeakyReLU(0.1, inplace=True), lambda: nn.ELU(inplace=True), MulInPlace,
+])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_an_in_place_layer_at_a_partition_cut_gets_right_gradients(
+    first: Callable[[], nn.Module], checkpoint: str
+) -> None:
+    # The checkpointed forward ran on the saved input itself, so the recomputation started from modified
+    # data: outputs right, parameter gradients wrong, and the user's input modified twice.
+    torch.manual_seed(0)
+    model = nn.Sequential(first(), nn.Linear(4, 4), nn.Linear(4, 4), first(), nn.Linear(4, 4))
+    plain = copy.deepcopy(model)
+    piped = cpu_gpipe(model, [3, 2], chunks=3, checkpoint=checkpoint)
+    x = torch.randn(6, 4)
+    x_plain = x.clone()
+    out = piped(x)
+    out.sum().backward()
+    expected = plain(x_plain)
+    expected.sum().backward()
+    assert torch.allclose(out, expected)
+    assert torch.equal(x, x_plain), "the input was modified a different number of times"
+    for got, want in zip(grads_of(piped), grads_of(plain)):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+# --- 7, 8, 9. random numbers --------------------------------------------------------------------------
+
+
+def _masks_spy(store: Dict[Tuple[Any, ...], Tensor]) -> nn.Module:
+    class Spy(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            store[(id(self), torchpipe.current_microbatch(), torchpipe.is_recomputing())] = (x == 0).clone()
+            return x
+
+    return Spy()
+
+
+def _assert_recomputation_drew_the_same(store: Dict[Tuple[Any, ...], Tensor]) -> None:
+    pairs = [(k, v) for k, v in store.items() if not k[2]]
+    assert pairs
+    for (layer, microbatch, _), mask in pairs:
+        replay = store.get((layer, microbatch, True))
+        if replay is not None:
+            assert torch.equal(mask, replay), "a recomputation drew other numbers than its forward"
+
+
+def test_a_partition_that_starts_drawing_later_is_replayed() -> None:
+    # The replay remembered from the first step that a partition draws nothing, and stopped saving and
+    # restoring its state: once dropout's p was raised from 0, recomputations drew other masks.
+    store: Dict[Tuple[Any, ...], Tensor] = {}
+    dropout = nn.Dropout(0.0)
+    model = cpu_gpipe(nn.Sequential(nn.Linear(8, 8), dropout, _masks_spy(store), nn.Linear(8, 8)), [3, 1],
+                      chunks=4, checkpoint="always")
+    model(torch.randn(8, 8) + 1).sum().backward()
+    dropout.p = 0.5
+    store.clear()
+    model(torch.randn(8, 8) + 1).sum().backward()
+    _assert_recomputation_drew_the_same(store)
+    assert any(mask.any() for mask in store.values()), "dropout drew nothing: the test shows nothing"
+
+
+@pytest.mark.timeout(120)
+def test_two_gpipes_in_two_threads_keep_their_own_random_streams() -> None:
+    # Each GPipe had its own lock around the CPU generator they share: from two threads, with dropout and
+    # checkpointing, they corrupted each other's replay in about 40% of the steps.
+    stores: List[Dict[Tuple[Any, ...], Tensor]] = [{}, {}]
+    models = [
+        cpu_gpipe(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), _masks_spy(store), nn.Linear(16, 16),
+                                nn.Dropout(0.5), _masks_spy(store)), [3, 3], chunks=4, checkpoint="always")
+        for store in stores
+    ]
+    errors: List[BaseException] = []
+
+    def train(model: GPipe) -> None:
+        try:
+            for _ in range(10):
+                model(torch.randn(8, 16) + 1).sum().backward()
+        except BaseException as exc:  # noqa: B036 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for store in stores:
+        _assert_recomputation_drew_the_same(store)
+
+
+def _dropout_run(make: Callable[[], nn.Module], seed: int) -> Tuple[Tensor, List[Tensor]]:
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(16, 8)
+    torch.manual_seed(seed)
+    out = model(x)
+    out.sum().backward()
+    return out.detach(), grads_of(model)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_the_same_seed_gives_the_same_results_whatever_the_timing(checkpoint: str) -> None:
+    # CPU partitions drew from one generator in an order set by thread timing: 8 of 8 reruns differed.
+    def make() -> nn.Module:
+        layers = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5),
+                               nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 1))
+        return cpu_gpipe(layers, [2, 2, 3], chunks=4, checkpoint=checkpoint)
+
+    out, grads = _dropout_run(make, 5)
+    for _ in range(4):
+        again, again_grads = _dropout_run(make, 5)
+        assert torch.equal(out, again)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again_grads))
+    assert not torch.equal(_dropout_run(make, 6)[0], out)
+
+
+def test_data_parallel_replicas_with_dropout_are_reproducible() -> None:
+    def make() -> nn.Module:
+        return DataParallel(nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 1)), ["cpu"] * 3)
+
+    out, grads = _dropout_run(make, 5)
+    for _ in range(4):
+        again, again_grads = _dropout_run(make, 5)
+        assert torch.equal(out, again)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again_grads))
+
+
+# --- 10. an input modified in place between forward and backward ------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_an_input_modified_before_backward_is_detected(checkpoint: str) -> None:
+    # The plain module raises "modified by an inplace operation"; GPipe recomputed silently from the new values.
+    model = cpu_gpipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2, checkpoint=checkpoint)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for module in (plain, model):
+        x = torch.randn(4, 4)
+        out = module(x)
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+# --- 11, 12. torch.autograd.grad and requires_grad ----------------------------------------------------------
+
+
+def test_autograd_grad_with_respect_to_parameters() -> None:
+    # It failed: "appears to not have been used in the graph"; the parameters were not inputs of the pipeline.
+    model = mlp(2, 4)
+    plain = copy.deepcopy(model)
+    piped = cpu_gpipe(model, [2, 2], chunks=2)
+    x = torch.randn(4, 4)
+    got = torch.autograd.grad(piped(x).pow(2).sum(), list(piped.parameters()))
+    want = torch.autograd.grad(plain(x).pow(2).sum(), list(plain.parameters()))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+    assert all(p.grad is None for p in piped.parameters())
+    some = torch.autograd.grad(piped(x).sum(), [piped[2].weight])  # only what was asked
+    assert some[0].shape == (4, 4) and piped[0].weight.grad is None
+
+
+def test_autograd_grad_with_respect_to_the_input_writes_no_parameter_grad() -> None:
+    piped = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
+    x = torch.randn(4, 4, requires_grad=True)
+    (gx,) = torch.autograd.grad(piped(x).sum(), x)
+    assert gx.shape == x.shape
+    assert all(p.grad is None for p in piped.parameters())
+
+
+def test_parameter_hooks_run_once_on_the_whole_gradient() -> None:
+    model = mlp(2, 4)
+    plain = copy.deepcopy(model)
+    piped = cpu_gpipe(model, [2, 2], chunks=4)
+    seen: List[Tensor] = []
+    piped[0].weight.register_hook(lambda g: seen.append(g) or g * 2)  # type: ignore[func-returns-value]
+    plain[0].weight.register_hook(lambda g: g * 2)
+    x = torch.randn(8, 4)
+    piped(x).sum().backward()
+    plain(x).sum().backward()
+    assert len(seen) == 1
+    assert torch.allclose(piped[0].weight.grad, plain[0].weight.grad, atol=1e-6)
+
+
+def test_data_parallel_over_gpipe_trains() -> None:
+    # DataParallel(GPipe(...)) trained nothing, silently.
+    model = mlp(2, 4)
+    plain = copy.deepcopy(model)
+    wrapped = DataParallel(cpu_gpipe(model, [2, 2], chunks=2), ["cpu", "cpu"])
+    x = torch.randn(8, 4)
+    wrapped(x).sum().backward()
+    plain(x).sum().backward()
+    for got, want in zip(grads_of(model), grads_of(plain)):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_double_backward_is_a_clear_error() -> None:
+    # A gradient penalty (create_graph=True) failed with a message about retain_graph.
+    piped = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward through a GPipe is not supported"):
+        torch.autograd.grad(piped(x).sum(), x, create_graph=True)
+
+
+def test_output_requires_grad_exactly_when_the_plain_modules_does() -> None:
+    model = mlp(2, 4).requires_grad_(False)
+    piped = cpu_gpipe(model, [2, 2], chunks=2)
+    out = piped(torch.randn(4, 4))
+    assert not out.requires_grad and not model(torch.randn(4, 4)).requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()
+
+
+def test_layers_using_tensors_outside_the_module_get_their_gradients() -> None:
+    # The skip guide's tuple example with its layers as globals: the output did not require grad.
+    outside = nn.Linear(4, 4)
+
+    class UsesOutside(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return outside(x)
+
+    plain_outside = copy.deepcopy(outside)
+    piped = cpu_gpipe(nn.Sequential(UsesOutside(), nn.ReLU(), UsesOutside()), [1, 2], chunks=2)
+    x = torch.randn(4, 4)
+    out = piped(x)
+    assert out.requires_grad
+    out.sum().backward()
+    plain_outside(torch.relu(plain_outside(x))).sum().backward()
+    assert torch.allclose(outside.weight.grad, plain_outside.weight.grad, atol=1e-6)
+
+
+# --- 16. a failed step is freed at once -------------------------------------------------------------------
+
+
+def test_a_failed_step_is_freed_with_its_exception() -> None:
+    # The re-raised exception's traceback held the frame whose error list held the exception: the step's
+    # activations (and a temporary GPipe with its threads) lived until the cyclic garbage collector ran.
+    kept: List[weakref.ref] = []  # type: ignore[type-arg]
+
+    class Keep(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            y = x * 2
+            kept.append(weakref.ref(y))
+            return y
+
+    class Fail(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            raise MemoryError("out of memory (simulated)")
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = cpu_gpipe(nn.Sequential(nn.Linear(4, 4), Keep(), Fail()), [2, 1], chunks=2)
+        model_ref = weakref.ref(model)
+        try:
+            model(torch.randn(4, 4, requires_grad=True))
+        except MemoryError:
+            pass
+        assert kept and all(ref() is None for ref in kept), "the failed step's tensors outlived its exception"
+        del model
+        assert model_ref() is None, "the GPipe outlived the failed step"
+    finally:
+        gc.enable()
+
+
+# --- 17, 18, 20: compatibility and contract ------------------------------------------------------------------
+
+
+def test_torchgpipe_argument_forms() -> None:
+    class Mode:
+        def __str__(self) -> str:
+            return "always"
+
+    model = cpu_gpipe(mlp(1, 2), [1, 1], chunks=42.0, checkpoint=Mode())  # type: ignore[arg-type]
+    assert model.chunks == 42 and type(model.chunks) is int and model.checkpoint == "always"
+    with pytest.raises(ValueError, match="chunks"):
+        cpu_gpipe(mlp(1, 2), [1, 1], chunks=2.5)  # type: ignore[arg-type]
+    empty = GPipe(nn.Sequential(), [])
+    x = torch.randn(3, 2)
+    assert empty(x) is x and len(empty) == 0
+
+
+def test_to_a_tensors_device_is_denied() -> None:
+    model = cpu_gpipe(mlp(1, 2), [1, 1])
+    with pytest.raises(TypeError, match="denied"):
+        model.to(tensor=torch.zeros(1))
+    model.to(torch.float64)
+    assert model[0].weight.dtype == torch.float64
+
+
+def test_an_empty_batch_gives_an_empty_output() -> None:
+    model = mlp(2, 4)
+    piped = cpu_gpipe(copy.deepcopy(model), [2, 2], chunks=4)
+    x = torch.randn(0, 4, requires_grad=True)
+    out = piped(x)
+    assert out.shape == model(x).shape == (0, 4)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 4)
+    assert DataParallel(nn.Linear(4, 2), ["cpu", "cpu"])(torch.randn(0, 4)).shape == (0, 2)
+
+
+# --- 19. state dicts with the plain module's keys -------------------------------------------------------
+
+
+def test_state_dicts_move_between_the_plain_module_and_any_balance() -> None:
+    plain = mlp(3, 4)
+    piped = cpu_gpipe(mlp(3, 4), [2, 2, 2])
+    piped.load_state_dict(plain.state_dict())  # keys like '3.weight'
+    x = torch.randn(2, 4)
+    assert torch.allclose(piped(x), plain(x))
+    other = cpu_gpipe(mlp(3, 4), [1, 5])
+    other.load_state_dict(piped.state_dict())  # another balance's own keys
+    assert torch.allclose(other(x), plain(x))
+    again = mlp(3, 4)
+    again.load_state_dict(other.full_state_dict())
+    assert list(other.full_state_dict()) == list(plain.state_dict())
+    assert torch.allclose(again(x), plain(x))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        piped.load_state_dict({"0.weight": plain[0].weight})
+
+
+# --- 22. the transfer log's devices ------------------------------------------------------------------------
+
+
+def test_the_transfer_log_records_where_tensors_came_from() -> None:
+    # Each record's source device was read off the tensor after the copy: it was always the target.
+    with torchpipe.transfer.record_transfers() as log:
+        torchpipe.transfer.log_transfer("activation", 0, 1, 0, [torch.zeros(2)], torch.device("meta"),
+                                        torch.device("cpu"))
+    assert log[0].source_device == torch.device("meta") and log[0].target_device == torch.device("cpu")
+
+
+@pytest.mark.cuda
+def test_the_transfer_log_of_a_gpu_to_cpu_pipeline() -> None:
+    model = GPipe(mlp(1, 4), [1, 1], devices=["cuda:0", "cpu"], chunks=2)
+    with torchpipe.transfer.record_transfers() as log:
+        model(torch.randn(4, 4)).sum().backward()
+    forward = [r for r in log if r.kind == "activation"]
+    assert forward and all(r.source_device.type == "cuda" and r.target_device.type == "cpu" for r in forward)
+
