@@ -5,22 +5,26 @@ devices; see :mod:`torchpipe.skip` for long skip connections,
 :mod:`torchpipe_balancing` to find a balance, and :mod:`torchpipe.parallel`
 for the data-parallel wrappers.
 """
-from torchpipe import skip, trace, transfer
+from torchpipe import schedule, skip, trace, transfer
 from torchpipe.__version__ import __version__
 from torchpipe.context import current_microbatch, is_checkpointing, is_recomputing
 from torchpipe.gpipe import GPipe
 from torchpipe.parallel import DataParallel, TupleParallel
 from torchpipe.partition import BalanceError
+from torchpipe.pipeline import Pipeline, PipelineError
 
 __all__ = [
     "__version__",
     "GPipe",
+    "Pipeline",
+    "PipelineError",
     "BalanceError",
     "current_microbatch",
     "is_checkpointing",
     "is_recomputing",
     "DataParallel",
     "TupleParallel",
+    "schedule",
     "skip",
     "trace",
     "transfer",

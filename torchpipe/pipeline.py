@@ -1,0 +1,304 @@
+"""The Pipeline module: a training step that owns the loss, so that it can run any schedule."""
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
+
+import torch
+from torch import Tensor, nn
+
+from torchpipe import microbatch, transfer
+from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
+from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
+from torchpipe.partition import resolve_devices, split_module, verify_balance, verify_module
+from torchpipe.runtime import Loss, Runner, Step, weight_grad
+from torchpipe.schedule import NAMES, ActionLike, Kind, Schedule, build, validate
+from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
+from torchpipe.state_dict import PlainKeys
+from torchpipe.types import Device, TensorOrTensors
+
+__all__ = ["Pipeline", "PipelineError"]
+
+#: What ``schedule=`` takes: a name, a :class:`~torchpipe.schedule.Schedule`, or one list of actions per worker.
+ScheduleLike = Union[str, Schedule, Sequence[Sequence[ActionLike]]]
+
+
+class PipelineError(RuntimeError):
+    """Another rank of a multi-process pipeline failed; the message names the rank, the action and the error."""
+
+
+class Pipeline(nn.Module):
+    """Trains an ``nn.Sequential`` pipelined over stages with any schedule: forward, loss and backward in one step.
+
+    ``GPipe`` hands its output back and the user calls ``loss.backward()``, so
+    every forward must finish before any backward. A ``Pipeline`` owns the
+    whole training step, so it can run 1F1B (a stage holds the activations of
+    at most as many micro-batches as there are stages), interleaved 1F1B
+    (several stages per worker: a smaller bubble) or zero-bubble (each backward
+    split in two, the weight half filling the bubbles). The loss and every
+    parameter's ``.grad`` are those of ``loss_fn(module(input), target)`` and
+    ``loss.backward()`` on the plain module.
+
+    Args:
+        module: the ``nn.Sequential`` to pipeline (as for :class:`torchpipe.GPipe`).
+        balance: layers per stage, summing to ``len(module)``; ``len(balance)``
+            is the number of stages.
+        chunks: the number of micro-batches.
+        schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved_1f1b'``, ``'zero_bubble'``,
+            or a schedule built with :mod:`torchpipe.schedule` (a
+            :class:`~torchpipe.schedule.Schedule`, or one list of actions per
+            worker such as ``[['0F0', '0B0'], ['1F0', '1B0']]``) for ``chunks``
+            micro-batches.
+        loss_fn: ``loss_fn(output, target)`` (or ``loss_fn(output)`` when the
+            target is None) of one micro-batch, a single-element tensor. None:
+            the module's output is the loss.
+        loss_reduction: ``'mean'``: each micro-batch's loss is weighted by its
+            share of the samples, so the step's loss is the mini-batch mean
+            (``loss_fn`` must average over its micro-batch, as PyTorch's losses
+            do by default); ``'sum'``: the micro-batches' losses are added.
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``, as for GPipe.
+        devices: one device per stage (per worker for ``'interleaved_1f1b'``
+            and custom schedules), as for GPipe.
+        group: a ``torch.distributed`` process group to run one worker per
+            rank; None: one process.
+        deferred_batch_norm: as for GPipe.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        ValueError: a bad ``chunks``, ``checkpoint``, ``loss_reduction`` or
+            ``schedule`` (every problem of a custom schedule is listed), a
+            number of stages that does not fit the schedule's workers, or a
+            module that repeats a layer.
+        BalanceError: ``balance`` does not fit ``module``.
+        IndexError: fewer devices than workers.
+
+    Example::
+
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        pipe = Pipeline(model, balance=[2, 1], chunks=4, schedule="1f1b",
+                        loss_fn=nn.functional.cross_entropy, devices=["cpu", "cpu"])
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        loss = pipe.step(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+        optimizer.step(); optimizer.zero_grad()
+    """
+
+    balance: List[int]
+    devices: List[torch.device]
+    chunks: int
+    checkpoint: str
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Optional[Sequence[int]] = None,
+        *,
+        chunks: int = 1,
+        schedule: ScheduleLike = "1f1b",
+        loss_fn: Optional[Callable[..., Tensor]] = None,
+        loss_reduction: str = "mean",
+        checkpoint: str = "never",
+        devices: Optional[Sequence[Device]] = None,
+        group: Any = None,
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        chunks = microbatch.verify_chunks(chunks)
+        checkpoint = verify_checkpoint(checkpoint)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        verify_module(module)
+        balance = verify_balance(module, balance)
+        if not balance:
+            raise ValueError("a Pipeline needs at least one stage; the module is empty")
+        verify_skippables(module)
+        if group is not None:
+            raise ValueError("group= (one stage per process) is not available yet")
+        plan, workers = _schedule(schedule, chunks, len(balance), devices)
+        worker_devices = resolve_devices(devices, workers)
+        stage_workers = list(plan(chunks).stage_workers)
+        stage_devices = [worker_devices[w] for w in stage_workers]
+        if deferred_batch_norm:
+            module = cast(nn.Sequential, DeferredBatchNorm.convert(module))
+
+        self.balance = balance
+        self.devices = stage_devices
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self.deferred_batch_norm = deferred_batch_norm
+        self.schedule_name = plan(chunks).name
+        # The layers are this module's children under their own names, so that state_dict() has the plain
+        # module's keys ('3.weight') and parameters() are the layers'.
+        stages, _ = split_module(module, balance, stage_devices)
+        for stage in stages:
+            for name, layer in stage.named_children():
+                if hasattr(self, name) and name not in self._modules:
+                    raise ValueError(f"a layer named {name!r} clashes with an attribute of Pipeline; rename it")
+                self.add_module(name, layer)
+        self._stages: List[nn.Sequential] = [cast(nn.Sequential, s) for s in stages]
+        self._runner = Runner(
+            self._stages, stage_devices, plan, stage_workers, worker_devices, inspect_skip_layout(self._stages)
+        )
+
+    @property
+    def stages(self) -> List[nn.Sequential]:
+        """The stages, each an ``nn.Sequential`` of consecutive layers on its device."""
+        return list(self._stages)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule of a step of ``chunks`` micro-batches (without recomputations)."""
+        return self._runner.schedule(self.chunks)
+
+    # --- steps ---------------------------------------------------------------------------------------
+
+    def step(self, input: Optional[TensorOrTensors] = None, target: Optional[TensorOrTensors] = None) -> Tensor:
+        """Runs one mini-batch, forward and backward; returns its loss (a 0-dim tensor without grad).
+
+        Every parameter's ``.grad`` accumulates what ``loss.backward()`` on the
+        plain module would add. Under ``torch.no_grad()`` or after ``eval()``
+        only the loss is computed.
+        """
+        if input is None:
+            raise ValueError("step() needs the mini-batch's input (a tensor or a tuple of tensors)")
+        microbatch.check_input(input)
+        input = transfer.move(input, self.devices[0])
+        batches = microbatch.scatter(input, self.chunks)
+        targets = self._targets(target, batches)
+        sizes = [b.values[0].size(0) for b in batches]
+        total = sum(sizes)
+        weights = [n / total if self.loss_reduction == "mean" and total else 1.0 for n in sizes]
+        training = torch.is_grad_enabled() and self.training
+        stop = checkpoint_stop(self.checkpoint, len(batches), training)
+        step = Step(
+            self._runner, batches, grad_enabled=training, training=self.training, checkpoint_stop=stop,
+            loss=Loss(self.loss_fn, targets, weights),
+        )
+        try:
+            if training:
+                self._runner.run(step)
+            else:
+                self._runner.run_forward(step)
+        except BaseException:
+            if self.deferred_batch_norm:
+                for stage in self._stages:
+                    discard(stage)
+            raise
+        if self.deferred_batch_norm and self.training:
+            for stage in self._stages:
+                commit(stage)
+        losses = [loss for loss in step.losses if loss is not None]
+        return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+
+    def _targets(self, target: Optional[TensorOrTensors], batches: List[microbatch.Batch]) -> List[Any]:
+        """The target split like the input, on the last stage's device (None per micro-batch if none)."""
+        if target is None:
+            return [None] * len(batches)
+        microbatch.check_input(target, "target")
+        target = transfer.move(target, self.devices[-1])
+        values = (target,) if isinstance(target, Tensor) else tuple(target)
+        size = sum(b.values[0].size(0) for b in batches)
+        wrong = [tuple(t.shape) for t in values if t.dim() == 0 or t.size(0) != size]
+        if wrong:
+            raise ValueError(
+                f"the target must share the input's batch dimension (size {size} along dim 0); got shapes {wrong}"
+            )
+        parts = microbatch.scatter(target, self.chunks)
+        return [p.value for p in parts]
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+        """Runs the forward alone (no loss, no graph) and returns the module's output, on the last stage's device."""
+        microbatch.check_input(input)
+        input = transfer.move(input, self.devices[0])
+        batches = microbatch.scatter(input, self.chunks)
+        with torch.no_grad():
+            step = Step(self._runner, batches, grad_enabled=False, training=self.training, checkpoint_stop=0)
+            results = self._runner.run_forward(step)
+            return microbatch.gather(results)
+
+    # --- moving and state -----------------------------------------------------------------------------
+
+    def cuda(self, device: Optional[Union[int, torch.device]] = None) -> "Pipeline":
+        raise _MOVING_DENIED
+
+    def cpu(self) -> "Pipeline":
+        raise _MOVING_DENIED
+
+    def to(self, *args: Any, **kwargs: Any) -> "Pipeline":
+        if any(isinstance(a, (torch.device, str, int, Tensor)) for a in args) or any(
+            kwargs.get(k) is not None for k in ("device", "tensor")
+        ):
+            raise _MOVING_DENIED
+        super().to(*args, **kwargs)
+        return self
+
+    def full_state_dict(self) -> Dict[str, Any]:
+        """The whole module's state dict with the plain module's keys (loadable into it, or any Pipeline)."""
+        return dict(self.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Loads the keys this pipeline holds from a plain module's (or any GPipe's or Pipeline's) state dict."""
+        held = {PlainKeys.plain(k): v for k, v in state_dict.items()}
+        mine = {k: v for k, v in held.items() if k.split(".", 1)[0] in self._modules}
+        if assign:
+            return super().load_state_dict(mine, strict=strict, assign=True)
+        return super().load_state_dict(mine, strict=strict)
+
+    def extra_repr(self) -> str:
+        return (
+            f"balance={self.balance}, devices={[str(d) for d in self.devices]}, chunks={self.chunks}, "
+            f"schedule={self.schedule_name!r}, checkpoint={self.checkpoint!r}"
+        )
+
+
+_MOVING_DENIED = TypeError(
+    "denied to move the stages of a Pipeline: they are placed on their devices by Pipeline; "
+    "choose devices with Pipeline(..., devices=[...]) (pipe.to(dtype) works)"
+)
+
+
+def _schedule(
+    schedule: ScheduleLike, chunks: int, stages: int, devices: Optional[Sequence[Device]]
+) -> Tuple[Callable[[int], Schedule], int]:
+    """The schedule for each number of micro-batches, and the number of workers; validated for ``chunks``."""
+    if isinstance(schedule, str):
+        if schedule not in NAMES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(map(repr, NAMES))} or build one")
+        workers = stages
+        if schedule == "interleaved_1f1b":
+            if devices is not None and not isinstance(devices, (str, int, torch.device)):
+                workers = len(list(devices))
+            else:
+                workers = max(1, stages // 2)
+            if workers < 1 or stages % workers or stages // workers < 2:
+                raise ValueError(
+                    f"interleaved_1f1b needs a number of stages that is a multiple (at least 2) of the workers; "
+                    f"got {stages} stages for {workers} workers (one per entry of devices, default: one per two "
+                    "stages)"
+                )
+        if schedule == "zero_bubble" and not weight_grad.supported():
+            raise ValueError(
+                f"zero_bubble needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
+                "upgrade PyTorch or choose '1f1b'"
+            )
+        name = schedule
+
+        def plan(microbatches: int) -> Schedule:
+            return build(name, microbatches, stages, workers)
+
+        validate(plan(chunks))
+        return plan, workers
+    custom = schedule if isinstance(schedule, Schedule) else Schedule.from_lists(schedule, microbatches=chunks)
+    problems = []
+    if custom.stages != stages:
+        problems.append(f"it has {custom.stages} stages but balance has {stages}")
+    if custom.microbatches != chunks:
+        problems.append(f"it is for {custom.microbatches} micro-batches but chunks={chunks}")
+    if any(a.kind is Kind.RECOMPUTE for a in custom.actions()):
+        problems.append("it has recomputations (R); leave them out: checkpoint= places them")
+    if problems:
+        raise ValueError("the schedule does not fit this Pipeline: " + "; ".join(problems))
+    validate(custom)
+
+    def restricted(microbatches: int) -> Schedule:
+        return custom.restricted(microbatches)
+
+    return restricted, custom.num_workers
