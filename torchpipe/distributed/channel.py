@@ -1,0 +1,153 @@
+"""The channel of a multi-process pipeline on one rank: its process groups and its control plane in the store.
+
+A multi-process :class:`torchpipe.Pipeline` does not use the caller's process
+group for its messages: it makes process groups of its own over the same
+ranks and the same store (gloo for headers and CPU tensors, NCCL for CUDA
+tensors), so that nothing it sends can mix with the caller's collectives.
+
+[Note: control plane] What the ranks must agree on besides the tensors goes
+through the ``torch.distributed`` store, where every wait is a short poll that
+also looks for a failure:
+
+- ``start/<n>``: the first stage's rank publishes step ``n``'s shape (the
+  micro-batch sizes, and whether it trains) and every other rank waits for it;
+- ``failed/<n>``: the first rank whose step fails writes who failed, in which
+  action, and why; every wait of every rank checks it, so every rank ends the
+  step within a poll interval (a rank that dies is noticed by its neighbours,
+  whose receives fail, and they write it);
+- ``done/<n>/<rank>``: each rank's step is over; a rank returns only when
+  every rank is done (or one failed), so a step ends the same way everywhere;
+- ``loss/<n>``: the loss, from the last stage's rank to every rank.
+
+Keys of old steps are deleted as steps go.
+"""
+import datetime
+import itertools
+import struct
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Channel", "PipelineError", "POLL_SECONDS"]
+
+#: How often a waiting rank looks at the store for a failure.
+POLL_SECONDS = 0.02
+
+_instances: Dict[Tuple[int, ...], "itertools.count[int]"] = {}
+_instances_lock = threading.Lock()
+
+
+class PipelineError(RuntimeError):
+    """Another rank of a multi-process pipeline failed; the message names the rank, the action and the error."""
+
+
+def _default_store() -> Any:
+    # The store the default process group was made with; torch.distributed does not export it.
+    return dist.distributed_c10d._get_default_store()
+
+
+class Channel:
+    """The process groups and the control plane of one multi-process pipeline on this rank.
+
+    Made collectively: every rank of ``group`` makes its pipelines in the same
+    order (each gets the same number on every rank).
+
+    Args:
+        group: the caller's process group (its ranks are the pipeline's workers).
+        device: this rank's device.
+        timeout: the timeout of the pipeline's own process groups (a wait on
+            a dead peer ends sooner, when its connection closes).
+    """
+
+    def __init__(self, group: Any, device: torch.device, timeout: datetime.timedelta) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Pipeline(group=...) needs torch.distributed to be initialised: call "
+                "torch.distributed.init_process_group() first (torchrun sets the environment for it)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the group it passed to Pipeline(group=...)")
+        self.global_ranks = tuple(dist.get_process_group_ranks(group))
+        with _instances_lock:
+            number = next(_instances.setdefault(self.global_ranks, itertools.count()))
+        self.prefix = f"torchpipe/{'-'.join(map(str, self.global_ranks))}/{number}/"
+        self.store = dist.PrefixStore(self.prefix, _default_store())
+        self.device = device
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), self.rank, self.size, timeout)
+        if device.type == "cuda":
+            self.data: Any = dist.ProcessGroupNCCL(dist.PrefixStore("data", self.store), self.rank, self.size)
+        else:
+            self.data = self.control
+        self.sequence = 0
+
+    def next_sequence(self) -> int:
+        """The number of the next step (or other collective call) of this pipeline; the same on every rank."""
+        self.sequence += 1
+        old = self.sequence - 3
+        if old > 0:  # forget old steps' keys (this rank's own)
+            for key in (f"start/{old}", f"loss/{old}", f"failed/{old}", f"done/{old}/{self.rank}"):
+                try:
+                    self.store.delete_key(key)
+                except RuntimeError:  # pragma: no cover - a store without delete: keys stay
+                    break
+        return self.sequence
+
+    # --- failures ---------------------------------------------------------------------------------------
+
+    def fail(self, sequence: int, message: str) -> None:
+        """Records the step's failure, unless another rank's was recorded first."""
+        key = f"failed/{sequence}"
+        try:
+            # compare_set keeps the first failure: later ones (echoes of it) do not overwrite it.
+            self.store.compare_set(key, "", message)
+        except RuntimeError:  # the store's host died: nothing to record in
+            pass
+
+    def failure(self, sequence: int) -> Optional[str]:
+        """The recorded failure of step ``sequence``, if any."""
+        key = f"failed/{sequence}"
+        try:
+            if not self.store.check([key]):
+                return None
+            return bytes(self.store.get(key)).decode("utf-8", "replace")
+        except RuntimeError as exc:  # the store's host (the rank that started the job) died
+            return f"the torch.distributed store cannot be reached ({exc}); the rank that hosts it may have died"
+
+    def raise_failure(self, sequence: int) -> None:
+        message = self.failure(sequence)
+        if message is not None:
+            raise PipelineError(message)
+
+    # --- the control plane ------------------------------------------------------------------------------
+
+    def publish(self, sequence: int, key: str, values: Sequence[float]) -> None:
+        self.store.set(f"{key}/{sequence}", struct.pack(f"<{len(values)}d", *values))
+
+    def wait_for(self, sequence: int, key: str) -> List[float]:
+        """The values published under ``key`` for step ``sequence``, once they are there (or a failure)."""
+        name = f"{key}/{sequence}"
+        while True:
+            self.raise_failure(sequence)
+            try:
+                if self.store.check([name]):
+                    data = bytes(self.store.get(name))
+                    return list(struct.unpack(f"<{len(data) // 8}d", data))
+            except RuntimeError as exc:
+                raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
+            time.sleep(POLL_SECONDS)
+
+    def done(self, sequence: int) -> None:
+        """Marks this rank's step over and waits until every rank's is (raising if one failed meanwhile)."""
+        self.store.set(f"done/{sequence}/{self.rank}", b"1")
+        keys = [f"done/{sequence}/{r}" for r in range(self.size)]
+        while True:
+            self.raise_failure(sequence)
+            if self.store.check(keys):
+                return
+            time.sleep(POLL_SECONDS / 4)

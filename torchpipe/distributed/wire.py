@@ -1,0 +1,106 @@
+"""The wire format of a message between ranks: a fixed-size header that says what follows, then the tensors.
+
+Every message names everything its receiver needs to allocate and rebuild it:
+the number of tensors, and for each whether it is present, its dtype, whether
+the receiving leaf needs grad, and its shape; whether the stage output was a
+single tensor; and the message's kind (data, a skip that was not stashed, or
+an abort). Nothing is inferred from an earlier step or micro-batch, so a
+shorter sequence or an uneven last micro-batch can never be received into a
+stale buffer.
+"""
+import enum
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["HEADER_LENGTH", "Kind", "Header", "encode", "decode", "DTYPES"]
+
+#: int64 entries in a header.
+HEADER_LENGTH = 256
+
+#: The dtypes a message may carry, by code (the position in this tuple).
+DTYPES: Tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+_MAGIC = 0x70697065  # "pipe"
+
+
+class Kind(enum.IntEnum):
+    """What a message is."""
+
+    #: Tensors follow the header.
+    DATA = 1
+    #: A declared skip that the layer did not stash this time (nothing follows).
+    NOT_STASHED = 2
+    #: The sender's step failed (or it learnt that another rank's did): nothing follows, nothing more comes.
+    ABORT = 3
+
+
+class Header:
+    """A decoded header: the kind, whether the value is a single tensor, and per tensor its metadata."""
+
+    __slots__ = ("kind", "atomic", "tensors")
+
+    def __init__(
+        self, kind: Kind, atomic: bool, tensors: List[Optional[Tuple[torch.dtype, bool, Tuple[int, ...]]]]
+    ) -> None:
+        self.kind = kind
+        self.atomic = atomic
+        #: Per tensor: None (absent), or (dtype, requires_grad, shape).
+        self.tensors = tensors
+
+
+def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: Sequence[bool] = (),
+           atomic: bool = False) -> Tensor:
+    """The header of a message as an int64 tensor of :data:`HEADER_LENGTH` entries.
+
+    Raises:
+        ValueError: a dtype that cannot cross (see :data:`DTYPES`), or more
+            tensors and dimensions than a header holds.
+    """
+    values = [_MAGIC, int(kind), int(atomic), len(tensors)]
+    for k, tensor in enumerate(tensors):
+        if tensor is None:
+            values += [0]
+            continue
+        code = _CODES.get(tensor.dtype)
+        if code is None:
+            raise ValueError(f"a tensor of dtype {tensor.dtype} cannot be sent between stages; "
+                             f"supported: {', '.join(map(str, DTYPES))}")
+        flag = bool(requires_grad[k]) if k < len(requires_grad) else False
+        values += [1, code, int(flag), tensor.dim(), *tensor.shape]
+    if len(values) > HEADER_LENGTH:
+        raise ValueError(
+            f"a message of {len(tensors)} tensors needs {len(values)} header entries, more than the "
+            f"{HEADER_LENGTH} a header holds; pass fewer tensors between stages"
+        )
+    header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
+    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    return header
+
+
+def decode(header: Tensor) -> Header:
+    """The :class:`Header` in ``header`` (as :func:`encode` wrote it).
+
+    Raises:
+        ValueError: it is not a torchpipe header (the ranks are out of step).
+    """
+    values = header.tolist()
+    if values[0] != _MAGIC:
+        raise ValueError("received a message that is not a torchpipe header: the ranks' schedules disagree")
+    kind, atomic, count = Kind(values[1]), bool(values[2]), values[3]
+    position = 4
+    tensors: List[Optional[Tuple[torch.dtype, bool, Tuple[int, ...]]]] = []
+    for _ in range(count):
+        if values[position] == 0:
+            tensors.append(None)
+            position += 1
+            continue
+        code, flag, ndim = values[position + 1], values[position + 2], values[position + 3]
+        shape = tuple(int(v) for v in values[position + 4 : position + 4 + ndim])
+        tensors.append((DTYPES[code], bool(flag), shape))
+        position += 4 + ndim
+    return Header(kind, atomic, tensors)
