@@ -158,15 +158,21 @@ def skippable(
         def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
             return self._drive(original_forward(self, *args, **kwargs))
 
+        def __repr__(self: nn.Module) -> str:
+            # As torchgpipe prints a skippable layer: @skippable(Layer(...)).
+            return f"@skippable({super(decorated, self).__repr__()})"
+
         namespace: Dict[str, Any] = {
             "forward": forward,
+            "__repr__": __repr__,
             "stashable_names": stashable,
             "poppable_names": poppable,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
-        return cast(Type[M], type(cls.__name__, (cls, Skippable), namespace))
+        decorated: Type[Any] = type(cls.__name__, (cls, Skippable), namespace)
+        return cast(Type[M], decorated)
 
     return decorate
 

@@ -1,0 +1,112 @@
+"""Regressions: one test per bug, named after it, with the story of what went wrong."""
+import copy
+import pickle
+from typing import List
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchpipe import GPipe
+from torchpipe.parallel.collate import per_output
+from torchpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from torchpipe.skip.namespace import DEFAULT
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        y = self.linear(x)
+        yield stash("skip", y)
+        return y.tanh()
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return self.linear(x) * skip
+
+
+# --- torchgpipe 0.0.7 compatibility of torchpipe.skip (issue item 17) ---------------------------------
+
+
+def test_namespace_copies_are_equal_to_it() -> None:
+    """A Namespace compared by identity: ``copy.copy(ns) == ns`` was False (torchgpipe 0.0.7 says True), so
+    layers deep-copied one by one no longer paired their stash with their pop."""
+    ns = Namespace()
+    assert copy.copy(ns) == ns and copy.copy(ns) is not ns
+    assert copy.deepcopy(ns) == ns and hash(copy.deepcopy(ns)) == hash(ns)
+    assert pickle.loads(pickle.dumps(ns)) == ns
+    assert pickle.loads(pickle.dumps(DEFAULT)) == DEFAULT
+    assert Namespace() != ns and ns != DEFAULT
+    assert ns != "not a namespace"
+
+    stash_layer, pop_layer = Stash().isolate(ns), Pop().isolate(ns)
+    copied = nn.Sequential(copy.deepcopy(stash_layer), nn.Linear(4, 4), copy.deepcopy(pop_layer))
+    verify_skippables(copied)
+    pickled = pickle.loads(pickle.dumps(nn.Sequential(stash_layer, nn.Linear(4, 4), pop_layer)))
+    verify_skippables(pickled)
+
+
+def test_deepcopied_model_with_isolated_namespaces_still_verifies_and_routes() -> None:
+    """``copy.deepcopy(model)`` of a model with isolated namespaces must pass verify_skippables and route
+    each skip to its own pop inside GPipe, with the outputs of the original."""
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(
+        Stash().isolate(ns1), Stash().isolate(ns2), nn.Linear(4, 4), Pop().isolate(ns2), Pop().isolate(ns1)
+    )
+    copied = copy.deepcopy(model)
+    verify_skippables(copied)
+    x = torch.randn(6, 4)
+    expected = model(x)
+    piped = GPipe(copied, [2, 1, 2], devices=["cpu"] * 3, chunks=3)
+    torch.testing.assert_close(piped(x), expected)
+
+
+def test_two_namespaces_never_print_alike() -> None:
+    """Namespaces printed as a per-process counter, ``Namespace(3)``: a copy printed like its original
+    while comparing unequal, and namespaces from two processes printed alike."""
+    spaces = [Namespace() for _ in range(100)]
+    assert len({repr(ns) for ns in spaces}) == 100
+    assert repr(copy.deepcopy(spaces[0])) == repr(spaces[0])
+    assert repr(DEFAULT) not in {repr(ns) for ns in spaces}
+
+
+def test_skippable_layer_prints_as_torchgpipe_prints_it() -> None:
+    """torchgpipe 0.0.7 prints a skippable layer as ``@skippable(Layer(...))``; torchpipe printed it as a
+    plain module, so nothing told a skippable layer from the class it decorates."""
+
+    @skippable(stash=["hello"])
+    class Hello(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 1, 1)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("hello", x)
+            return self.conv(x)
+
+    assert repr(Hello()) == "@skippable(Hello(\n  (conv): Conv2d(1, 1, kernel_size=(1, 1), stride=(1, 1))\n))"
+    assert "(0): @skippable(Hello(" in repr(nn.Sequential(Hello()))
+
+
+# --- Python 3.9 (issue item 21) --------------------------------------------------------------------------
+
+
+def test_per_output_tuples_of_different_lengths_on_python_3_9() -> None:
+    """``zip(..., strict=True)`` in parallel/collate.py is Python 3.10; on 3.9, the declared minimum, every
+    TupleParallel whose module returns a tuple raised TypeError. The length check is now explicit."""
+    assert per_output([(1, "a"), (2, "b")]) == [(1, 2), ("a", "b")]
+    with pytest.raises(ValueError, match="different lengths"):
+        per_output([(1, 2), (3,)])
+    items: List[int] = [1, 2]
+    assert per_output(items) == (1, 2)
