@@ -1,6 +1,8 @@
 """Regressions: one test per bug, named after it, with the story of what went wrong."""
 import copy
+import gc
 import pickle
+import weakref
 from typing import List
 
 import pytest
@@ -8,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe import GPipe
+from torchpipe.parallel import DataParallel
 from torchpipe.parallel.collate import per_output
 from torchpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchpipe.skip.namespace import DEFAULT
@@ -110,3 +113,94 @@ def test_per_output_tuples_of_different_lengths_on_python_3_9() -> None:
         per_output([(1, 2), (3,)])
     items: List[int] = [1, 2]
     assert per_output(items) == (1, 2)
+
+
+# --- skips in a plain nn.Sequential (issue item 14) ---------------------------------------------------
+
+
+class Boom(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        raise ValueError("boom")
+
+
+@skippable(stash=["skip"])
+class Recorded(nn.Module):
+    """Stashes ``2 * x`` and remembers a weak reference to it."""
+
+    def __init__(self, refs: List["weakref.ref[Tensor]"]) -> None:
+        super().__init__()
+        self.refs = refs
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        y = x * 2
+        self.refs.append(weakref.ref(y))
+        yield stash("skip", y)
+        return x
+
+
+def test_pop_after_a_forward_that_raised_does_not_get_its_stash() -> None:
+    """Outside GPipe, stashes were kept per thread until popped: a forward that raised between its stash
+    and its pop left the tensor behind, and the next forward that popped without stashing got it, a
+    tensor of another batch, silently. A pop sees only the stashes of its own forward."""
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="boom"):
+        nn.Sequential(Stash(), Boom(), Pop())(x)
+    with pytest.raises(RuntimeError, match=r"Pop popped 'skip' .*no layer stashed it earlier in this forward"):
+        nn.Sequential(nn.Linear(4, 4), Pop())(x)
+
+    # A stash left unpopped by a forward that returned is not seen either.
+    nn.Sequential(Stash(), nn.Linear(4, 4))(x)
+    with pytest.raises(RuntimeError, match="no layer stashed it"):
+        nn.Sequential(nn.Linear(4, 4), Pop())(x)
+
+
+def test_leftover_stashes_are_freed_when_their_forward_ends() -> None:
+    """The per-thread tracker held every stash no pop took, for ever: a forward that raised, or a
+    model that stashes more than it pops, kept activations alive after the forward was over."""
+    gc.disable()  # freed by reference counting, right away, not by a later collection
+    try:
+        refs: List["weakref.ref[Tensor]"] = []
+        x = torch.randn(2, 4)
+        try:
+            nn.Sequential(Recorded(refs), Boom(), Pop())(x)
+        except ValueError:
+            pass
+        assert refs[-1]() is None, "the stash of a forward that raised outlived it"
+
+        nn.Sequential(Recorded(refs), nn.Linear(4, 4))(x)
+        assert refs[-1]() is None, "a stash never popped outlived its forward"
+
+        with pytest.raises(ValueError) as info:
+            nn.Sequential(Recorded(refs), Boom(), Pop())(x)
+        assert refs[-1]() is not None  # the traceback keeps the forward's frames, as any local
+        del info
+        assert refs[-1]() is None
+    finally:
+        gc.enable()
+
+
+def test_skips_still_work_by_hand_nested_and_in_data_parallel_replicas() -> None:
+    """What the scoping of plain skips must keep working: layers called by hand (in a function and at a
+    script's top level), a stash inside a nested Sequential popped by the outer one, and DataParallel
+    replicas that run the model on worker threads."""
+    x = torch.randn(4, 4)
+    stash_layer, pop_layer = Stash(), Pop()
+    y = stash_layer.linear(x)
+    expected = pop_layer.linear(y.tanh()) * y
+
+    def by_hand() -> Tensor:
+        return pop_layer(stash_layer(x))
+
+    torch.testing.assert_close(by_hand(), expected)
+    namespace = {"stash_layer": stash_layer, "pop_layer": pop_layer, "x": x}
+    exec("out = pop_layer(stash_layer(x))", namespace)  # a script's top level
+    torch.testing.assert_close(namespace["out"], expected)
+
+    nested = nn.Sequential(nn.Sequential(stash_layer, nn.Identity()), pop_layer)
+    torch.testing.assert_close(nested(x), expected)
+
+    model = nn.Sequential(Stash(), nn.Linear(4, 4), Pop())
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(DataParallel(model, ["cpu", "cpu", "cpu"])(x), plain(x))
+

@@ -30,18 +30,19 @@ class Namespace:
     def __repr__(self) -> str:
         return "<Namespace default>" if self.id == _DEFAULT_ID else f"<Namespace '{self.id}'>"
 
+    # Through the UUID's int: UUID's own methods are Python code, and skips are looked up per layer call.
     def __eq__(self, other: Any) -> bool:
         if isinstance(other, Namespace):
-            return self.id == other.id
+            return self.id.int == other.id.int
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.id)
+        return hash(self.id.int)
 
     def __lt__(self, other: "Namespace") -> bool:
         # Skip layouts sort (namespace, name) keys; any fixed order will do.
         if isinstance(other, Namespace):
-            return self.id < other.id
+            return self.id.int < other.id.int
         return NotImplemented
 
 
