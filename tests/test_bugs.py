@@ -14,6 +14,7 @@ from torchpipe.parallel import DataParallel
 from torchpipe.parallel.collate import per_output
 from torchpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchpipe.skip.namespace import DEFAULT
+from torchpipe_balancing import balance_by_size, balance_by_time
 
 
 @skippable(stash=["skip"])
@@ -204,3 +205,81 @@ def test_skips_still_work_by_hand_nested_and_in_data_parallel_replicas() -> None
     x = torch.randn(6, 4)
     torch.testing.assert_close(DataParallel(model, ["cpu", "cpu", "cpu"])(x), plain(x))
 
+
+
+# --- balancing skippable models (issue item 15) ----------------------------------------------------------
+
+
+def skippable_unet(depth: int = 3, width: int = 8) -> nn.Sequential:
+    """A U-Net-like model: each encoder stashes a tensor with grad history, its decoder pops it."""
+
+    @skippable(stash=["skip"])
+    class Down(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            y = torch.relu(self.linear(x))
+            yield stash("skip", y)
+            return y * 2
+
+    @skippable(pop=["skip"])
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2 * width, width)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            return torch.relu(self.linear(torch.cat([x, skip], dim=1)))
+
+    namespaces = [Namespace() for _ in range(depth)]
+    layers: List[nn.Module] = [Down().isolate(ns) for ns in namespaces]
+    layers.append(nn.Linear(width, width))
+    layers += [Up().isolate(ns) for ns in reversed(namespaces)]
+    return nn.Sequential(*layers)
+
+
+def test_balance_by_time_on_a_skippable_unet() -> None:
+    """balance_by_time ran each layer's backward right after its forward; an encoder's backward freed the
+    graph of the tensor it stashed, and its decoder's backward then failed with "Trying to backward
+    through the graph a second time". The profiler now treats stashed tensors as the pipeline does:
+    they end the stashing layer's backward, and the popping layer gets a leaf."""
+    model = skippable_unet()
+    before = copy.deepcopy(model.state_dict())
+    balance = balance_by_time(3, model, torch.randn(16, 8), timeout=0.1, device="cpu")
+    assert len(balance) == 3 and sum(balance) == len(model) and min(balance) >= 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    piped = GPipe(model, balance, devices=["cpu"] * 3, chunks=2)
+    piped(torch.randn(4, 8)).sum().backward()
+
+
+def test_balance_by_size_on_a_skippable_unet_counts_the_stash() -> None:
+    """balance_by_size measured each layer in a function of its own, with no one serving stash and pop in
+    between; the stash a layer holds until its pop is part of its memory, and is counted."""
+    from torchpipe_balancing.profile import profile_sizes
+
+    model = skippable_unet(depth=1)
+    x = torch.randn(16, 8)
+    sizes = profile_sizes(model, x, chunks=1, device=torch.device("cpu"))
+    # The encoder keeps its output for relu's backward; the stash is that same storage, counted once.
+    assert sizes[0].activation_bytes == 16 * 8 * 4 + 16 * 8 * 4  # the input of linear, relu's output
+    balance = balance_by_size(2, skippable_unet(), x, chunks=2, device="cpu")
+    assert sum(balance) == 7
+
+    @skippable(stash=["skip"])
+    class StashOnly(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x * 3)  # saved by nothing: held only by the skip
+            return x
+
+    @skippable(pop=["skip"])
+    class PopOnly(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            return x + skip
+
+    sizes = profile_sizes(nn.Sequential(StashOnly(), PopOnly()), x, chunks=1, device=torch.device("cpu"))
+    assert sizes[0].activation_bytes == 16 * 8 * 4
