@@ -151,7 +151,7 @@ def test_nested_inputs_and_outputs() -> None:
     torch.testing.assert_close(got["a"], expected["a"])
     torch.testing.assert_close(got["more"][0], expected["more"][0])
     torch.testing.assert_close(got["more"][1][0], expected["more"][1][0])
-    assert got["more"][1][1] == "tag"
+    assert got["more"][1][1] == ("tag", "tag", "tag")  # one per replica
     assert isinstance(got["pair"], Pair)
     torch.testing.assert_close(got["pair"].right, expected["pair"].right)
     (got["a"].sum() + got["more"][0].sum() + got["pair"].right.sum()).backward()
