@@ -415,7 +415,8 @@ def test_profiling_works_under_no_grad() -> None:
 # --- call forms and errors --------------------------------------------------------------------
 
 
-def test_seed_call_form() -> None:
+def test_torchgpipe_0_0_4_call_form() -> None:
+    """torchgpipe 0.0.3 and 0.0.4's torchgpipe_balancing took (module, sample, partitions=n)."""
     model = nn.Sequential(nn.Linear(8, 8), Sleep(0.02), nn.Linear(8, 8))
     sample = torch.randn(4, 8)
     assert balance_by_time(model, sample, partitions=3, timeout=0.05) == [1, 1, 1]

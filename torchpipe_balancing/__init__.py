@@ -72,10 +72,12 @@ def balance_cost(costs: Sequence[Cost], partitions: int) -> List[int]:
 def _bind(
     function: str, third: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], options: Dict[str, Any]
 ) -> Tuple[Any, Any, Any, Dict[str, Any]]:
-    """Sorts out the two call forms: ``(partitions, module, sample)`` and the seed's ``(module, sample, partitions=)``.
+    """Sorts out the two call forms: ``(partitions, module, sample)`` and ``(module, sample, partitions=)``.
 
-    Returns ``(partitions, module, sample, options)``. The form is told apart
-    by the type of the first positional argument: a module means the seed form.
+    The first is torchgpipe 0.0.7's (``torchgpipe.balance``), the second that
+    of torchgpipe 0.0.3 and 0.0.4's ``torchgpipe_balancing``. Returns
+    ``(partitions, module, sample, options)``. The form is told apart by the
+    type of the first positional argument: a module means the older form.
     """
     order = ["module", third, "partitions"] if args and isinstance(args[0], nn.Module) else [
         "partitions", "module", third
@@ -177,8 +179,9 @@ def balance_by_time(*args: Any, **kwargs: Any) -> List[int]:
     ``.grad``, buffers such as BatchNorm's running statistics), also if a
     layer raises.
 
-    The seed's call form ``balance_by_time(module, sample, partitions=4)``
-    works too.
+    The arguments come in torchgpipe 0.0.7's order; the older form of
+    torchgpipe 0.0.3 and 0.0.4's ``torchgpipe_balancing``,
+    ``balance_by_time(module, sample, partitions=4)``, works too.
 
     Args:
         partitions: the number of partitions (pipeline stages).
@@ -260,8 +263,10 @@ def balance_by_size(*args: Any, **kwargs: Any) -> List[int]:
     (``memory_allocated`` / ``max_memory_allocated``): memory kept outside the
     hooks' view is added, with a warning.
 
-    The module is left as it was found; the seed's call form
-    ``balance_by_size(module, input, partitions=4)`` works too.
+    The module is left as it was found. The arguments come in torchgpipe
+    0.0.7's order; the older form of torchgpipe 0.0.3 and 0.0.4's
+    ``torchgpipe_balancing``, ``balance_by_size(module, input, partitions=4)``,
+    works too.
 
     Args:
         partitions: the number of partitions (pipeline stages).

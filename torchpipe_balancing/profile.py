@@ -9,6 +9,19 @@ detached, marked ``requires_grad`` and cloned, so the input is not a leaf (a
 first ``ReLU(inplace=True)`` works, as it does inside a pipeline) and the
 user's sample is never modified in place. Integer tensors (token ids) are
 cloned and passed as they are.
+
+[Note: skips in profiling] A ``torchpipe.skip`` layer that stashes a tensor
+with grad history hands a piece of its own graph to a later layer. Run layer
+by layer, with each layer's backward right after its forward, the stashing
+layer's backward frees that graph and the popping layer's backward then runs
+into it ("Trying to backward through the graph a second time"). So the
+profilers serve the layers' stash and pop requests themselves, the way the
+pipeline does across partitions: a stashed tensor joins the stashing layer's
+backward (with a gradient of ones, standing for the one the pop sends back),
+and the popping layer gets a detached leaf of it, so each layer's backward
+covers that layer alone. ``balance_by_size`` counts a stashed tensor in the
+stashing layer's activations (it is held from the stash to the pop), once
+per storage like every saved tensor.
 """
 import dataclasses
 import statistics
@@ -19,6 +32,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 
+from torchpipe.context import task_context
+from torchpipe.skip.namespace import Namespace
 from torchpipe.transfer import map_structure, split, tensors_of
 from torchpipe.types import TensorOrTensors
 
@@ -40,6 +55,44 @@ def _detached(batch: Any) -> Any:
     return map_structure(lambda x: x.detach() if isinstance(x, Tensor) else x, batch)
 
 
+class _ProfilingSkips:
+    """Serves stash and pop while the layers are profiled one by one (see [Note: skips in profiling]).
+
+    A tracker for ``torchpipe.skip`` (``save`` and ``load``), installed around
+    every layer call with :func:`torchpipe.context.task_context`. One per pass.
+    """
+
+    def __init__(self) -> None:
+        self.leaves: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
+        self.stashed: List[Tensor] = []
+
+    def save(self, layer: Any, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        if tensor is not None and tensor.requires_grad:
+            self.stashed.append(tensor)
+            tensor = tensor.detach().requires_grad_()
+        elif tensor is not None:
+            tensor = tensor.detach()
+        self.leaves[(ns, name)] = tensor
+
+    def load(self, layer: Any, ns: Namespace, name: str) -> Optional[Tensor]:
+        try:
+            return self.leaves[(ns, name)]
+        except KeyError:
+            raise RuntimeError(
+                f"{type(layer).__name__} popped {name!r} ({ns}) but no earlier layer stashed it"
+            ) from None
+
+    def take_stashed(self) -> List[Tensor]:
+        """The tensors with grad history that the layer just run stashed (and forgets them)."""
+        stashed, self.stashed = self.stashed, []
+        return stashed
+
+    def run(self, layer: nn.Module, inputs: Any) -> Any:
+        """Calls ``layer`` on ``inputs`` with this tracker serving its stashes and pops."""
+        with task_context(None, skips=self):
+            return layer(inputs)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -49,15 +102,16 @@ def _one_pass(layers: List[nn.Module], sample: Any, device: torch.device) -> Lis
     """Times forward and backward of every layer once; returns seconds per layer."""
     times: List[float] = []
     batch = sample
+    skips = _ProfilingSkips()
     for layer in layers:
         inputs = _fresh_input(batch)
         _synchronize(device)
         start = time.perf_counter()
-        output = layer(inputs)
+        output = skips.run(layer, inputs)
         _synchronize(device)
         forward = time.perf_counter() - start
 
-        roots = [t for t in tensors_of(output) if t.requires_grad]
+        roots = [t for t in tensors_of(output) if t.requires_grad] + skips.take_stashed()
         grads = [torch.ones_like(t) for t in roots]
         _synchronize(device)
         start = time.perf_counter()
@@ -137,7 +191,9 @@ def _storage_bytes(t: Tensor) -> int:
     return t.numel() * t.element_size() if storage is None else int(storage.nbytes())
 
 
-def _layer_size(layer: nn.Module, inputs: Any, device: torch.device) -> Tuple[LayerSize, Any]:
+def _layer_size(
+    layer: nn.Module, inputs: Any, device: torch.device, skips: _ProfilingSkips
+) -> Tuple[LayerSize, Any]:
     """Runs ``layer`` forward on ``inputs`` and measures it; returns the measurement and the output."""
     # Parameters and buffers are kept alive by the layer, not by the micro-batch.
     own: Set[Tuple[str, int]] = {_storage_key(t) for t in layer.parameters()}
@@ -160,13 +216,18 @@ def _layer_size(layer: nn.Module, inputs: Any, device: torch.device) -> Tuple[La
     if cuda:
         # A throw-away forward first: lazy allocations that outlive it (the cuBLAS workspace,
         # cuDNN's) must not be mistaken for memory the graph keeps.
-        layer(_fresh_input(inputs))
+        skips.run(layer, _fresh_input(inputs))
+        skips.take_stashed()
         torch.cuda.synchronize(device)
         allocated_before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        output = layer(inputs)
+        output = skips.run(layer, inputs)
+    for t in skips.take_stashed():  # held from the stash to the pop (see [Note: skips in profiling])
+        key = _storage_key(t)
+        if key not in own:
+            saved[key] = _storage_bytes(t)
     activation_bytes = sum(saved.values())
     peak: Optional[int] = None
 
@@ -207,10 +268,11 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int, de
     microbatch = split(input, chunks)[0]
     sizes: List[LayerSize] = []
     batch: Any = microbatch
+    skips = _ProfilingSkips()
     with torch.enable_grad():
         for layer in module:
             inputs = _fresh_input(batch)
-            size, output = _layer_size(layer, inputs, device)
+            size, output = _layer_size(layer, inputs, device, skips)
             sizes.append(size)
             batch = _detached(output)
             del inputs, output

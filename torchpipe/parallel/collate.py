@@ -182,7 +182,10 @@ def default_collate(ndevices: int) -> Callable[[List[Any]], Any]:
 def per_output(results: Sequence[Any]) -> Union[Tuple[Any, ...], List[Tuple[Any, ...]]]:
     """Per-part results as a tuple; if each result is a tuple, a list of per-output tuples instead."""
     if results and all(isinstance(r, tuple) for r in results):
-        return [tuple(column) for column in zip(*results, strict=True)]
+        lengths = [len(r) for r in results]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"the parts returned tuples of different lengths ({lengths}); they cannot be regrouped")
+        return [tuple(column) for column in zip(*results)]
     return tuple(results)
 
 

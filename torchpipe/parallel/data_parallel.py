@@ -1,4 +1,5 @@
 """DataParallel: scatter a batch over replicas, run them in parallel, gather (or not) their outputs."""
+import dataclasses
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -55,6 +56,15 @@ class DataParallel(nn.Module):
         cpu_keywords: keyword arguments that stay on the CPU (split along ``dim``).
         batch_outputs: if ``False``, return a list with each replica's output
             moved to ``output_device`` instead of concatenating them.
+
+    Gathering joins the replicas' outputs leaf by leaf: tensors are
+    concatenated along ``dim`` (0-dimensional ones stacked into a vector),
+    and every other leaf (an int, a string, an object) becomes a tuple with
+    one value per replica, in ``device_ids`` order, so nothing a replica
+    returned is dropped: ``(logits, count)`` gives ``(logits, (count_0,
+    count_1, ...))``, with one replica too (a 1-tuple). A leaf that is
+    ``None`` in every replica stays ``None``. Values under
+    ``except_keywords`` are per-replica tuples as they are.
 
     Raises:
         RuntimeError: (on forward) the module is not on ``device_ids[0]``.
@@ -187,7 +197,43 @@ class DataParallel(nn.Module):
         if not self.batch_outputs:
             return [move(o, self.output_device) for o in outputs]
         # Replicas' outputs are already in device_ids order, which is the order of the batch.
-        return gather(outputs, self.output_device, self.dim, keep_keys=self.except_keywords)
+        joined = gather(outputs, self.output_device, self.dim, keep_keys=self.except_keywords)
+        return _per_replica_leaves(joined, outputs, self.output_device, self.except_keywords)
+
+
+def _per_replica_leaves(joined: Any, parts: Sequence[Any], device: torch.device, keep_keys: Collection[Any]) -> Any:
+    """``joined`` (``transfer.gather`` of ``parts``) with each leaf that is not a tensor made a per-replica tuple.
+
+    ``transfer.join`` keeps the first part's value of such a leaf; replicas
+    may return different ones (a count, a list of names), so the gathered
+    output holds all of them, in replica order, moved like ``transfer.move``
+    moves them. Walks the structure as ``transfer.join`` does.
+    """
+    if isinstance(joined, Tensor):
+        return joined
+    if isinstance(joined, (list, tuple)):
+        items = [_per_replica_leaves(joined[k], [p[k] for p in parts], device, keep_keys) for k in range(len(joined))]
+        if isinstance(joined, list):
+            return items
+        if hasattr(joined, "_fields"):  # a named tuple
+            return type(joined)(*items)
+        return tuple(items)
+    if isinstance(joined, dict):
+        rebuilt = {
+            k: v if k in keep_keys else _per_replica_leaves(v, [p[k] for p in parts], device, keep_keys)
+            for k, v in joined.items()
+        }
+        return rebuilt if type(joined) is dict else type(joined)(rebuilt)
+    if dataclasses.is_dataclass(joined) and not isinstance(joined, type):
+        changes = {
+            f.name: _per_replica_leaves(getattr(joined, f.name), [getattr(p, f.name) for p in parts], device, keep_keys)
+            for f in dataclasses.fields(joined)
+            if f.init
+        }
+        return dataclasses.replace(joined, **changes)
+    if all(p is None for p in parts):
+        return None
+    return tuple(move(p, device) for p in parts)
 
 
 def _is_per_replica(value: Any, strict_type: bool) -> bool:

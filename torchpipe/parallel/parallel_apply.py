@@ -16,6 +16,7 @@ replicas' backward passes run in parallel.
 Gradient mode, inference mode and autocast are thread-local in PyTorch; a
 worker runs each task in the caller's (:class:`ThreadContext`).
 """
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -38,8 +39,11 @@ def wait_all(futures: Sequence["Future[Any]"], devices: Sequence[torch.device]) 
     """The results of ``futures``, after every one has finished.
 
     Raises:
-        BaseException: the first failure in replica order, with its own type,
-            message and traceback, and a note naming the replica.
+        BaseException: the first failure in replica order, the very exception
+            object with its own type, message and traceback; on Python 3.11
+            and later with a note (``add_note``) naming the replica. Older
+            Pythons have no notes, and the exception is not wrapped or
+            chained just to say where it came from.
     """
     errors: List[Tuple[int, BaseException]] = []
     results: List[Any] = []
@@ -52,7 +56,8 @@ def wait_all(futures: Sequence["Future[Any]"], devices: Sequence[torch.device]) 
             results.append(future.result())
     if errors:
         index, error = errors[0]
-        error.add_note(f"(raised in torchpipe data-parallel replica {index} on {devices[index]})")
+        if sys.version_info >= (3, 11):
+            error.add_note(f"(raised in torchpipe data-parallel replica {index} on {devices[index]})")
         raise error
     return results
 

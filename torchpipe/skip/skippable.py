@@ -4,16 +4,18 @@ A skippable layer's ``forward`` is a generator. ``yield stash('name', tensor)``
 hands ``tensor`` to a later layer; ``tensor = yield pop('name')`` takes it.
 Where the tensor goes is the business of the *tracker* of the running task:
 inside GPipe the runner's tracker for this (micro-batch, partition) moves it
-straight to the popping partition; outside GPipe a per-thread tracker keeps it
-until the pop, so skippable layers also run in a plain ``nn.Sequential``.
+straight to the popping partition; outside GPipe a tracker keeps it with the
+forward that stashed it until the pop (see ``torchpipe.skip.registry``), so
+skippable layers also run in a plain ``nn.Sequential``.
 """
+import sys
+from collections import abc
 from typing import (
     Any,
     Callable,
     ClassVar,
     Dict,
     FrozenSet,
-    Generator,
     Iterable,
     List,
     Optional,
@@ -94,9 +96,10 @@ class Skippable(nn.Module):
 
     def _drive(self, result: Any) -> Any:
         """Runs a generator forward, serving its stash and pop requests; returns its return value."""
-        if not isinstance(result, Generator):
+        if not isinstance(result, abc.Generator):
             return result
-        tracker: Tracker = current().skips or PlainTracker.for_thread()
+        # Outside GPipe: sys._getframe(1) is forward(), whose caller may hold this forward's skips.
+        tracker: Tracker = current().skips or PlainTracker(sys._getframe(1).f_back)
         reply: Optional[Tensor] = None
         try:
             while True:
@@ -158,15 +161,21 @@ def skippable(
         def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
             return self._drive(original_forward(self, *args, **kwargs))
 
+        def __repr__(self: nn.Module) -> str:
+            # As torchgpipe prints a skippable layer: @skippable(Layer(...)).
+            return f"@skippable({super(decorated, self).__repr__()})"
+
         namespace: Dict[str, Any] = {
             "forward": forward,
+            "__repr__": __repr__,
             "stashable_names": stashable,
             "poppable_names": poppable,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
-        return cast(Type[M], type(cls.__name__, (cls, Skippable), namespace))
+        decorated: Type[Any] = type(cls.__name__, (cls, Skippable), namespace)
+        return cast(Type[M], decorated)
 
     return decorate
 
