@@ -600,3 +600,31 @@ def test_the_transfer_log_of_a_gpu_to_cpu_pipeline() -> None:
     forward = [r for r in log if r.kind == "activation"]
     assert forward and all(r.source_device.type == "cuda" and r.target_device.type == "cpu" for r in forward)
 
+
+
+def test_tensors_kept_by_hand_across_partitions_give_right_gradients_every_time() -> None:
+    # The user guide's current_microbatch() dict joins a later partition's graph to an earlier one's, so a
+    # backward on one worker accumulates into another partition's parameters: setting those aside meanwhile
+    # (to return them to the autograd engine) lost gradients now and then, depending on thread timing.
+    skips: Dict[object, Tensor] = {}
+
+    class Remember(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            skips[torchpipe.current_microbatch()] = x
+            return x
+
+    class Recall(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x + skips.pop(torchpipe.current_microbatch())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Remember(), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), Recall())
+    plain = copy.deepcopy(model)
+    piped = cpu_gpipe(model, [2, 2, 2], chunks=4, checkpoint="never")
+    x = torch.randn(8, 4)
+    plain(x).pow(2).sum().backward()
+    for _ in range(20):
+        piped.zero_grad()
+        piped(x).pow(2).sum().backward()
+        for got, want in zip(grads_of(piped), grads_of(plain)):
+            assert torch.allclose(got, want, atol=1e-6)

@@ -350,9 +350,12 @@ def test_repeated_steps_release_memory() -> None:
 
     model(torch.randn(8, 4)).sum().backward()
     before = live_tensors()
-    for _ in range(10):
+    steps = 20
+    for _ in range(steps):
         model(torch.randn(8, 4)).sum().backward()
-    assert live_tensors() == before
+    # A step that leaked would leave at least one tensor each time; a few may come and go with other tests'
+    # threads winding down in the same process.
+    assert live_tensors() - before < steps
 
 
 def test_deepcopy_gives_an_independent_working_copy() -> None:

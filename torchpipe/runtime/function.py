@@ -103,10 +103,16 @@ class PipelineFunction(torch.autograd.Function):
             )
         step.backward_done = True
         layout: Layout = ctx.layout
+        # [Note: joined graphs] A tensor a layer kept by hand under current_microbatch() (the user guide's skip
+        # dict) joins a later stage's graph to an earlier one's: a backward on one worker then reaches another
+        # stage's parameters, which must not be set aside meanwhile (see [Note: parameter gradients]). Then
+        # every backward accumulates into .grad directly, as torchgpipe does, and no gradient is returned
+        # for the parameters (torch.autograd.grad with respect to them then finds none).
+        step.direct = any(key is not None and key.observed for key in step.keys)
         # Which parameters the running backward needs (none for torch.autograd.grad(output, input)): the
         # engine knows whether it will run the view of each parameter this function took as input.
         edges = ctx.next_functions[layout.phony + len(layout.positions) :]
-        needed = iter([_will_run(edge[0]) for edge in edges])
+        needed = iter([_will_run(edge[0]) and not step.direct for edge in edges])
         step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
         step.param_grads = [[None] * len(stage) for stage in step.stage_params]
         per_microbatch = split_grads(grad_outputs, ctx.output_sizes)

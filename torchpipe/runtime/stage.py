@@ -248,7 +248,7 @@ def backward(step: Step, s: int, i: int) -> None:
     found: List[Optional[Tensor]]
     if not roots:
         found = [None] * len(inputs)
-    elif step.needed is None:
+    elif step.needed is None or step.direct:
         # A Pipeline step: gradients accumulate into .grad, as loss.backward() on the plain module would.
         torch.autograd.backward(roots, grads, retain_graph=keep)
         found = [x.grad if x.requires_grad else None for x in inputs]

@@ -116,6 +116,9 @@ class Step:
         #: their sums over micro-batches. None: a Pipeline step, whose backward accumulates into .grad.
         self.needed: Optional[List[List[bool]]] = None
         self.param_grads: Optional[List[List[Optional[Tensor]]]] = None
+        #: GPipe's backward when a layer kept a tensor by hand under current_microbatch(): graphs of several
+        #: stages may be joined, so gradients accumulate into .grad directly (see stage.backward).
+        self.direct = False
         self.backward_done = False
 
     def seed_for(self, stage: int, microbatch: int) -> Optional[int]:
