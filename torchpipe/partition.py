@@ -1,5 +1,6 @@
 """Partitioning: check the module and the balance, resolve devices, and split the Sequential."""
 import numbers
+import warnings
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -9,7 +10,7 @@ from torch import nn
 from torchpipe.stream import as_device
 from torchpipe.types import Device
 
-__all__ = ["BalanceError", "verify_module", "verify_balance", "resolve_devices", "split_module"]
+__all__ = ["BalanceError", "verify_module", "verify_balance", "resolve_devices", "cut", "place", "split_module"]
 
 
 class BalanceError(ValueError):
@@ -109,26 +110,62 @@ def resolve_devices(devices: Optional[Sequence[Device]], partitions: int) -> Lis
     return [as_device(d) for d in devices[:partitions]]
 
 
-def split_module(
-    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
-) -> Tuple[nn.ModuleList, List[int]]:
-    """Cuts ``module`` into ``len(balance)`` Sequentials of consecutive layers, each moved to its device.
+def cut(module: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
+    """Cuts ``module`` into ``len(balance)`` Sequentials of consecutive layers, where they are.
 
-    Layers keep their names, so ``partitions[j].<name>`` is the original layer.
-    Returns the partitions and the index of each one's first layer.
+    Layers keep their names, so ``stages[j].<name>`` is the original layer.
     """
     layers = list(module._modules.items())
-    partitions: List[nn.Module] = []
-    offsets: List[int] = []
+    stages: List[nn.Sequential] = []
     start = 0
-    for count, device in zip(balance, devices):
+    for count in balance:
         chunk: OrderedDict[str, nn.Module] = OrderedDict()
         for name, layer in layers[start : start + count]:
             assert layer is not None, f"layer {name} is None"
             chunk[name] = layer
-        partitions.append(nn.Sequential(chunk).to(device))
-        offsets.append(start)
+        stages.append(nn.Sequential(chunk))
         start += count
-    return nn.ModuleList(partitions), offsets
+    return stages
 
 
+def place(stage: nn.Module, device: torch.device) -> nn.Module:
+    """Moves ``stage`` to ``device``; a stage built on the ``meta`` device is materialised there instead.
+
+    Materialising allocates the stage's parameters and buffers on ``device``
+    (``to_empty``) and initialises them with each submodule's
+    ``reset_parameters()``, so no process ever holds the weights of stages it
+    does not run. A submodule with parameters but no ``reset_parameters`` is
+    left uninitialised (a warning names it): load a state dict.
+    """
+    tensors = list(stage.parameters()) + list(stage.buffers())
+    if not any(t.is_meta for t in tensors):
+        return stage.to(device)
+    stage.to_empty(device=device)
+    left = []
+    with torch.no_grad():
+        for name, sub in stage.named_modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif any(True for _ in sub.parameters(recurse=False)):
+                left.append(name or type(sub).__name__)
+    if left:
+        warnings.warn(
+            f"materialised on {device} without initialising {', '.join(left)} (no reset_parameters()); "
+            "load a state dict before training",
+            stacklevel=3,
+        )
+    return stage
+
+
+def split_module(
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+) -> Tuple[nn.ModuleList, List[int]]:
+    """Cuts ``module`` into ``len(balance)`` Sequentials of consecutive layers, each placed on its device.
+
+    Layers keep their names, so ``partitions[j].<name>`` is the original layer.
+    Returns the partitions and the index of each one's first layer.
+    """
+    stages = [place(stage, device) for stage, device in zip(cut(module, balance), devices)]
+    offsets = [sum(balance[:j]) for j in range(len(balance))]
+    return nn.ModuleList(stages), offsets

@@ -1,4 +1,6 @@
 """The Pipeline module: a training step that owns the loss, so that it can run any schedule."""
+import datetime
+import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
@@ -7,7 +9,10 @@ from torch import Tensor, nn
 from torchpipe import microbatch, transfer
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
-from torchpipe.partition import resolve_devices, split_module, verify_balance, verify_module
+from torchpipe.distributed.channel import Channel, PipelineError
+from torchpipe.distributed.state import gather_state
+from torchpipe.distributed.step import run_step
+from torchpipe.partition import cut, place, resolve_devices, verify_balance, verify_module
 from torchpipe.runtime import Loss, Runner, Step, weight_grad
 from torchpipe.schedule import NAMES, ActionLike, Kind, Schedule, build, validate
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
@@ -18,10 +23,6 @@ __all__ = ["Pipeline", "PipelineError"]
 
 #: What ``schedule=`` takes: a name, a :class:`~torchpipe.schedule.Schedule`, or one list of actions per worker.
 ScheduleLike = Union[str, Schedule, Sequence[Sequence[ActionLike]]]
-
-
-class PipelineError(RuntimeError):
-    """Another rank of a multi-process pipeline failed; the message names the rank, the action and the error."""
 
 
 class Pipeline(nn.Module):
@@ -108,11 +109,24 @@ class Pipeline(nn.Module):
         if not balance:
             raise ValueError("a Pipeline needs at least one stage; the module is empty")
         verify_skippables(module)
-        if group is not None:
-            raise ValueError("group= (one stage per process) is not available yet")
         plan, workers = _schedule(schedule, chunks, len(balance), devices)
-        worker_devices = resolve_devices(devices, workers)
         stage_workers = list(plan(chunks).stage_workers)
+        self._channel: Optional[Channel] = None
+        if group is None:
+            worker_devices = resolve_devices(devices, workers)
+            local = set(range(len(balance)))
+        else:
+            device = _rank_device(devices)
+            self._channel = Channel(group, device, timeout=datetime.timedelta(minutes=30))
+            if self._channel.size != workers:
+                raise ValueError(
+                    f"the schedule has {workers} workers but the process group has {self._channel.size} ranks; "
+                    f"a Pipeline across processes runs one worker per rank ({len(balance)} stages: "
+                    + ("a multiple, at least 2, of the ranks)" if plan(chunks).name == "interleaved_1f1b"
+                       else "one per rank)")
+                )
+            worker_devices = [device] * workers
+            local = set(plan(chunks).stages_of(self._channel.rank))
         stage_devices = [worker_devices[w] for w in stage_workers]
         if deferred_batch_norm:
             module = cast(nn.Sequential, DeferredBatchNorm.convert(module))
@@ -125,23 +139,34 @@ class Pipeline(nn.Module):
         self.loss_reduction = loss_reduction
         self.deferred_batch_norm = deferred_batch_norm
         self.schedule_name = plan(chunks).name
+        self._layer_index = {name: k for k, name in enumerate(module._modules)}
+        # Each process builds and keeps only its own stages (on the meta device, see partition.place).
+        all_stages = cut(module, balance)
+        layout = inspect_skip_layout(all_stages)
+        stages: List[Optional[nn.Sequential]] = [
+            cast(nn.Sequential, place(stage, stage_devices[s])) if s in local else None
+            for s, stage in enumerate(all_stages)
+        ]
+        del all_stages
         # The layers are this module's children under their own names, so that state_dict() has the plain
         # module's keys ('3.weight') and parameters() are the layers'.
-        stages, _ = split_module(module, balance, stage_devices)
         for stage in stages:
-            for name, layer in stage.named_children():
+            for name, layer in stage.named_children() if stage is not None else ():
                 if hasattr(self, name) and name not in self._modules:
                     raise ValueError(f"a layer named {name!r} clashes with an attribute of Pipeline; rename it")
                 self.add_module(name, layer)
-        self._stages: List[nn.Sequential] = [cast(nn.Sequential, s) for s in stages]
-        self._runner = Runner(
-            self._stages, stage_devices, plan, stage_workers, worker_devices, inspect_skip_layout(self._stages)
-        )
+        self._stages = stages
+        self._runner = Runner(stages, stage_devices, plan, stage_workers, worker_devices, layout)
 
     @property
-    def stages(self) -> List[nn.Sequential]:
-        """The stages, each an ``nn.Sequential`` of consecutive layers on its device."""
+    def stages(self) -> List[Optional[nn.Sequential]]:
+        """The stages, each an ``nn.Sequential`` of consecutive layers on its device (None: on another rank)."""
         return list(self._stages)
+
+    @property
+    def rank(self) -> Optional[int]:
+        """This process's rank in the pipeline's group (None in one process)."""
+        return None if self._channel is None else self._channel.rank
 
     @property
     def schedule(self) -> Schedule:
@@ -155,8 +180,42 @@ class Pipeline(nn.Module):
 
         Every parameter's ``.grad`` accumulates what ``loss.backward()`` on the
         plain module would add. Under ``torch.no_grad()`` or after ``eval()``
-        only the loss is computed.
+        only the loss is computed. Across processes every rank calls ``step``:
+        the input is read on the first stage's rank, the target on the last
+        stage's (others may pass None), and every rank returns the loss.
         """
+        training = torch.is_grad_enabled() and self.training
+        try:
+            if self._channel is not None:
+                loss, _ = run_step(
+                    self._runner, self._channel, self.devices, self.chunks, input, training=training,
+                    module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
+                    loss=(self.loss_fn, target, self.loss_reduction),
+                )
+                assert loss is not None
+            else:
+                loss = self._step(input, target, training)
+        except BaseException:
+            if self.deferred_batch_norm:
+                for stage in self._local_stages():
+                    discard(stage)
+            raise
+        if self.deferred_batch_norm and self.training:
+            for stage in self._local_stages():
+                commit(stage)
+        return loss
+
+    def _local_stages(self) -> List[nn.Sequential]:
+        return [stage for stage in self._stages if stage is not None]
+
+    def _checkpoint_stop(self, training: bool) -> Callable[[int], int]:
+        def stop(microbatches: int) -> int:
+            return checkpoint_stop(self.checkpoint, microbatches, training)
+
+        return stop
+
+    def _step(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors], training: bool) -> Tensor:
+        """A step in one process."""
         if input is None:
             raise ValueError("step() needs the mini-batch's input (a tensor or a tuple of tensors)")
         microbatch.check_input(input)
@@ -166,25 +225,15 @@ class Pipeline(nn.Module):
         sizes = [b.values[0].size(0) for b in batches]
         total = sum(sizes)
         weights = [n / total if self.loss_reduction == "mean" and total else 1.0 for n in sizes]
-        training = torch.is_grad_enabled() and self.training
         stop = checkpoint_stop(self.checkpoint, len(batches), training)
         step = Step(
             self._runner, batches, grad_enabled=training, training=self.training, checkpoint_stop=stop,
             loss=Loss(self.loss_fn, targets, weights),
         )
-        try:
-            if training:
-                self._runner.run(step)
-            else:
-                self._runner.run_forward(step)
-        except BaseException:
-            if self.deferred_batch_norm:
-                for stage in self._stages:
-                    discard(stage)
-            raise
-        if self.deferred_batch_norm and self.training:
-            for stage in self._stages:
-                commit(stage)
+        if training:
+            self._runner.run(step)
+        else:
+            self._runner.run_forward(step)
         losses = [loss for loss in step.losses if loss is not None]
         return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
 
@@ -204,8 +253,21 @@ class Pipeline(nn.Module):
         parts = microbatch.scatter(target, self.chunks)
         return [p.value for p in parts]
 
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Runs the forward alone (no loss, no graph) and returns the module's output, on the last stage's device."""
+    def forward(self, input: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
+        """Runs the forward alone (no loss, no graph) and returns the module's output, on the last stage's device.
+
+        Across processes every rank calls it; the input is read on the first
+        stage's rank, and the output returned on the last stage's (None on the others).
+        """
+        if self._channel is not None:
+            with torch.no_grad():
+                _, outputs = run_step(
+                    self._runner, self._channel, self.devices, self.chunks, input, training=False,
+                    module_training=self.training, checkpoint_stop=self._checkpoint_stop(False), loss=None,
+                )
+            return None if outputs is None else microbatch.gather(outputs)
+        if input is None:
+            raise ValueError("a Pipeline's forward needs the input")
         microbatch.check_input(input)
         input = transfer.move(input, self.devices[0])
         batches = microbatch.scatter(input, self.chunks)
@@ -231,11 +293,20 @@ class Pipeline(nn.Module):
         return self
 
     def full_state_dict(self) -> Dict[str, Any]:
-        """The whole module's state dict with the plain module's keys (loadable into it, or any Pipeline)."""
-        return dict(self.state_dict())
+        """The whole module's state dict with the plain module's keys (loadable into it, or any Pipeline).
+
+        Across processes every rank calls it (it is a collective); the first
+        stage's rank gets the whole state dict, every other rank an empty dict.
+        """
+        if self._channel is None:
+            return dict(self.state_dict())
+        merged = gather_state(self._channel, dict(self.state_dict()), self._runner.stage_workers[0])
+        # Ranks hold stages out of order (interleaved schedules): put the keys in the module's layer order.
+        return dict(sorted(merged.items(), key=lambda item: self._layer_index.get(item[0].split(".", 1)[0], -1)))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Loads the keys this pipeline holds from a plain module's (or any GPipe's or Pipeline's) state dict."""
+        """Loads the keys this pipeline (this rank) holds from a plain module's, or any GPipe's, Pipeline's
+        or rank's state dict; ``strict`` checks that every key this rank holds is there."""
         held = {PlainKeys.plain(k): v for k, v in state_dict.items()}
         mine = {k: v for k, v in held.items() if k.split(".", 1)[0] in self._modules}
         if assign:
@@ -253,6 +324,16 @@ _MOVING_DENIED = TypeError(
     "denied to move the stages of a Pipeline: they are placed on their devices by Pipeline; "
     "choose devices with Pipeline(..., devices=[...]) (pipe.to(dtype) works)"
 )
+
+
+def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:
+    """This rank's device: ``devices[0]`` if given, else ``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
+    if devices is not None:
+        resolved = resolve_devices(devices, 1)
+        return resolved[0]
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def _schedule(

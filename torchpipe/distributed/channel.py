@@ -23,13 +23,18 @@ Keys of old steps are deleted as steps go.
 """
 import datetime
 import itertools
-import struct
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+try:
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+except ImportError:  # a build without NCCL (this CPU one): CUDA pipelines across processes need it
+    ProcessGroupNCCL = None  # type: ignore[assignment, misc]
 
 __all__ = ["Channel", "PipelineError", "POLL_SECONDS"]
 
@@ -77,11 +82,15 @@ class Channel:
         with _instances_lock:
             number = next(_instances.setdefault(self.global_ranks, itertools.count()))
         self.prefix = f"torchpipe/{'-'.join(map(str, self.global_ranks))}/{number}/"
-        self.store = dist.PrefixStore(self.prefix, _default_store())
+        self.store: Any = PrefixStore(self.prefix, _default_store())
         self.device = device
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), self.rank, self.size, timeout)
+        #: Headers and CPU tensors (gloo); CUDA tensors go through ``data`` (NCCL), or the same group on CPU.
+        self.control: Any = ProcessGroupGloo(PrefixStore("control", self.store), self.rank, self.size, timeout)
         if device.type == "cuda":
-            self.data: Any = dist.ProcessGroupNCCL(dist.PrefixStore("data", self.store), self.rank, self.size)
+            if ProcessGroupNCCL is None:
+                raise RuntimeError("a CUDA pipeline across processes needs PyTorch built with NCCL; this one is not")
+            options = ProcessGroupNCCL.Options()
+            self.data: Any = ProcessGroupNCCL(PrefixStore("data", self.store), self.rank, self.size, options)
         else:
             self.data = self.control
         self.sequence = 0
@@ -127,7 +136,8 @@ class Channel:
     # --- the control plane ------------------------------------------------------------------------------
 
     def publish(self, sequence: int, key: str, values: Sequence[float]) -> None:
-        self.store.set(f"{key}/{sequence}", struct.pack(f"<{len(values)}d", *values))
+        # Floats as hexadecimal text: exact, and the store's typed API takes text.
+        self.store.set(f"{key}/{sequence}", " ".join(float(v).hex() for v in values))
 
     def wait_for(self, sequence: int, key: str) -> List[float]:
         """The values published under ``key`` for step ``sequence``, once they are there (or a failure)."""
@@ -136,15 +146,15 @@ class Channel:
             self.raise_failure(sequence)
             try:
                 if self.store.check([name]):
-                    data = bytes(self.store.get(name))
-                    return list(struct.unpack(f"<{len(data) // 8}d", data))
+                    text = bytes(self.store.get(name)).decode("ascii")
+                    return [float.fromhex(v) for v in text.split()]
             except RuntimeError as exc:
                 raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
             time.sleep(POLL_SECONDS)
 
     def done(self, sequence: int) -> None:
         """Marks this rank's step over and waits until every rank's is (raising if one failed meanwhile)."""
-        self.store.set(f"done/{sequence}/{self.rank}", b"1")
+        self.store.set(f"done/{sequence}/{self.rank}", "1")
         keys = [f"done/{sequence}/{r}" for r in range(self.size)]
         while True:
             self.raise_failure(sequence)

@@ -39,7 +39,7 @@ class Runner:
     """Runs steps over a fixed list of stages, one worker thread per worker of the schedule.
 
     Args:
-        stages: the stages' modules, in order.
+        stages: the stages' modules, in order (None for the stages of other ranks).
         devices: the device of each stage.
         schedule: the schedule (forwards and backwards) for a number of micro-batches.
         stage_workers: the worker of each stage.
@@ -52,7 +52,7 @@ class Runner:
 
     def __init__(
         self,
-        stages: Sequence[nn.Module],
+        stages: Sequence[Optional[nn.Module]],
         devices: Sequence[torch.device],
         schedule: Callable[[int], Schedule],
         stage_workers: Sequence[int],
@@ -139,7 +139,8 @@ class Runner:
         return self._copy_streams
 
     def layer_names(self, stage: int) -> str:
-        names = list(self.stages[stage]._modules)
+        module = self.stages[stage]
+        names = list(module._modules) if module is not None else []
         if not names:
             return "none"
         return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]

@@ -61,6 +61,7 @@ def forward(step: Step, s: int, i: int) -> None:
     if s == 0:
         assert step.batches is not None, "the step's input was released before its forwards ran"
         batch = step.batches[i]
+        assert batch is not None, f"micro-batch {i}'s input is not on this rank"
         tensors: Sequence[Tensor] = batch.values
         flags: Tuple[bool, ...] = tuple(t.requires_grad for t in tensors)
         atomic = batch.atomic
@@ -147,7 +148,9 @@ def _check_input_versions(state: StageState, i: int) -> None:
 def _run_stage(step: Step, s: int, i: int, inputs: Batch) -> Tuple[Batch, Optional[Tensor]]:
     """Runs stage ``s`` on ``inputs``; on the last stage of a step with a loss, also the micro-batch's loss."""
     runner = step.runner
-    output = runner.stages[s](inputs.value)
+    module = runner.stages[s]
+    assert module is not None, f"stage {s} is not on this rank"
+    output = module(inputs.value)
     if not isinstance(output, Tensor):
         microbatch.check_input(output, f"the output of {runner.noun} {s} (layers {runner.layer_names(s)})")
     out = Batch(output)

@@ -72,7 +72,7 @@ class Step:
     def __init__(
         self,
         runner: "Runner",
-        batches: List[Batch],
+        batches: Sequence[Optional[Batch]],
         *,
         grad_enabled: bool,
         training: bool,
@@ -81,7 +81,8 @@ class Step:
         watch_inputs: bool = False,
     ) -> None:
         self.runner = runner
-        self.batches: Optional[List[Batch]] = batches
+        #: The micro-batches' inputs (on the first stage's rank; None elsewhere across processes).
+        self.batches: Optional[List[Optional[Batch]]] = list(batches)
         self.microbatches = len(batches)
         self.grad_enabled = grad_enabled
         self.training = training
@@ -92,8 +93,11 @@ class Step:
         self.watch_inputs = watch_inputs
         #: Per stage: whether it may draw random numbers (see [Note: random streams]) and whether it has
         #: parameters a backward would differentiate.
-        self.draws = [may_draw(stage) for stage in runner.stages]
-        self.trainable = [grad_enabled and any(p.requires_grad for p in stage.parameters()) for stage in runner.stages]
+        self.draws = [stage is not None and may_draw(stage) for stage in runner.stages]
+        self.trainable = [
+            grad_enabled and stage is not None and any(p.requires_grad for p in stage.parameters())
+            for stage in runner.stages
+        ]
         self.seed = step_seed() if any(self.draws) else None
         self.context = ThreadContext.capture()
         self.plan = runner.plan(self.microbatches, checkpoint_stop)

@@ -68,7 +68,11 @@ class SkipRoute(NamedTuple):
 
 
 class SkipLayout:
-    """Where each skip connection of a partitioned module starts and ends."""
+    """Where each skip connection of a partitioned module starts and ends.
+
+    ``routes`` are in the order of the layers that stash them (then by name), an order every process that
+    builds the same model agrees on (namespaces are random values); messages between ranks follow it.
+    """
 
     def __init__(self, routes: Dict[Tuple[Namespace, str], SkipRoute], partitions: int) -> None:
         self.routes = routes
@@ -76,7 +80,7 @@ class SkipLayout:
         self.pops_from_before: List[List[Tuple[Namespace, str]]] = [[] for _ in range(partitions)]
         #: For each partition, the skips it stashes that a later partition pops.
         self.stashes_for_later: List[List[Tuple[Namespace, str]]] = [[] for _ in range(partitions)]
-        for key, route in sorted(routes.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        for key, route in routes.items():
             if route.stash != route.pop:
                 self.pops_from_before[route.pop].append(key)
                 self.stashes_for_later[route.stash].append(key)
@@ -94,9 +98,10 @@ def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
     pop_at: Dict[Tuple[Namespace, str], int] = {}
     for j, partition in enumerate(partitions):
         for _, _, layer in _skippables(partition):
-            for key in layer.stashed():
+            for key in sorted(layer.stashed(), key=lambda k: k[1]):
                 stash_at[key] = j
             for key in layer.popped():
                 pop_at[key] = j
+    # In the stashing layers' order (dicts keep insertion order).
     routes = {key: SkipRoute(stash_at[key], pop_at[key]) for key in stash_at if key in pop_at}
     return SkipLayout(routes, len(partitions))

@@ -16,7 +16,7 @@ stage never waits for a skip that will not come: a declared stash that a layer
 did not make this time is sent as "not stashed", and popping it is the same
 ``RuntimeError`` as in a plain ``nn.Sequential``.
 """
-from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -47,17 +47,18 @@ class StageSkips:
         self.microbatch = microbatch
         self.checkpointing = checkpointing
         self.recomputing = recomputing
-        self.stashed: Set[SkipName] = set()
+        #: What this task stashed, and, for the later stages, the message to send them.
+        self.stashed: Dict[SkipName, Optional[Message]] = {}
         self.popped: Set[SkipName] = set()
 
     def save(self, layer: Any, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         step, s, i = self.step, self.stage, self.microbatch
         if (ns, name) in self.stashed:
             raise RuntimeError(f"{_label(layer)} stashed {name!r} ({ns}) twice in one forward of micro-batch {i}")
-        self.stashed.add((ns, name))
         route = step.runner.skip_layout.route(ns, name)
         key = (i, ns, name)
         if route.pop == s:
+            self.stashed[(ns, name)] = None
             step.skips.local[key] = tensor
             return
         if self.recomputing:
@@ -70,7 +71,7 @@ class StageSkips:
         else:
             needs_grad = is_differentiable(tensor) if self.checkpointing else tensor.requires_grad
             message = Message([tensor.detach()], (needs_grad,), True)
-        step.transport.send(Edge(EdgeKind.SKIP, i, s, route.pop, (ns, name)), message)
+        self.stashed[(ns, name)] = message  # sent by finish(), in the layout's order
 
     def load(self, layer: Any, ns: Namespace, name: str) -> Optional[Tensor]:
         step, s, i = self.step, self.stage, self.microbatch
@@ -107,15 +108,16 @@ class StageSkips:
         return leaf
 
     def finish(self) -> None:
-        """After the forward: tells the popping stages of the declared skips this one did not stash."""
+        """After the forward: sends each skip stashed for a later stage, in the layout's order, and tells the
+        popping stages of the declared skips this one did not stash (an empty message)."""
         if self.recomputing:
             return
         step, s, i = self.step, self.stage, self.microbatch
         layout = step.runner.skip_layout
         for ns, name in layout.stashes_for_later[s]:
-            if (ns, name) not in self.stashed:
-                target = layout.route(ns, name).pop
-                step.transport.send(Edge(EdgeKind.SKIP, i, s, target, (ns, name)), Message([], (), True))
+            message = self.stashed.get((ns, name)) or Message([], (), True)
+            target = layout.route(ns, name).pop
+            step.transport.send(Edge(EdgeKind.SKIP, i, s, target, (ns, name)), message)
 
 
 def _copy(leaf: Tensor) -> Tensor:

@@ -1,0 +1,145 @@
+"""One step of a multi-process pipeline on this rank: agree on its shape, run this rank's actions, end together.
+
+The first stage's rank splits the input and publishes the micro-batch sizes
+(see [Note: control plane]); every rank makes the same :class:`Step` and runs
+its own worker's list of actions on the calling thread, exchanging messages
+over :class:`~torchpipe.distributed.transport.DistributedTransport`; the last
+stage's rank publishes the loss; every rank returns when all are done. If an
+action fails, its rank records the failure (rank, action, error) and raises the
+original exception; every other rank raises :class:`PipelineError` with that
+record.
+"""
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from torchpipe import microbatch, transfer
+from torchpipe.distributed.channel import Channel, PipelineError
+from torchpipe.distributed.transport import DistributedTransport
+from torchpipe.microbatch import Batch
+from torchpipe.runtime import Loss, Runner, Step, stage
+from torchpipe.runtime.transport import Aborted
+from torchpipe.schedule import Action
+from torchpipe.types import TensorOrTensors
+
+__all__ = ["run_step"]
+
+
+def _describe(training: bool) -> str:
+    return "a training step (forward and backward)" if training else "a step without backward (no_grad or eval)"
+
+
+def run_step(
+    runner: Runner,
+    channel: Channel,
+    devices: Sequence[torch.device],
+    chunks: int,
+    input: Optional[TensorOrTensors],
+    *,
+    training: bool,
+    module_training: bool,
+    checkpoint_stop: Callable[[int], int],
+    loss: Optional[Tuple[Optional[Callable[..., Tensor]], Optional[TensorOrTensors], str]],
+) -> Tuple[Optional[Tensor], Optional[List[Batch]]]:
+    """Runs one step on this rank; returns the loss (with a loss) and, on the last stage's rank, the outputs.
+
+    Args:
+        runner: the pipeline's runner (this rank's stages; the others None).
+        channel: this rank's channel.
+        devices: each stage's device (this rank's device for all).
+        chunks: the number of micro-batches.
+        input: the mini-batch (read on the first stage's rank only).
+        training: whether the step runs backward.
+        module_training: the module's train/eval mode.
+        checkpoint_stop: the checkpointed micro-batches for a number of micro-batches.
+        loss: ``(loss_fn, target, reduction)`` for a step with a loss; the target is read on the last stage's
+            rank only.
+    """
+    sequence = channel.next_sequence()
+    rank = channel.rank
+    first, last = runner.stage_workers[0], runner.stage_workers[-1]
+    batches: List[Optional[Batch]]
+    if rank == first:
+        try:
+            if input is None:
+                raise ValueError(f"rank {rank} runs the first stage: it must pass the mini-batch's input")
+            microbatch.check_input(input)
+            input = transfer.move(input, devices[0])
+            split = microbatch.scatter(input, chunks)
+        except BaseException as exc:
+            channel.fail(sequence, f"rank {rank} could not split its input: {type(exc).__name__}: {exc}")
+            raise
+        sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
+        channel.publish(sequence, "start", [float(len(split)), float(training)] + sizes)
+        batches = list(split)
+    else:
+        values = channel.wait_for(sequence, "start")
+        count, remote_training, sizes = int(values[0]), bool(values[1]), values[2:]
+        if remote_training != training:
+            message = (
+                f"rank {rank} runs {_describe(training)} but rank {first}, the first stage's, runs "
+                f"{_describe(remote_training)}: call step() in the same mode (train/eval, grad enabled) everywhere"
+            )
+            channel.fail(sequence, message)
+            raise ValueError(message)
+        batches = [None] * count
+    total = sum(sizes)
+    step_loss: Optional[Loss] = None
+    step = Step(
+        runner, batches, grad_enabled=training, training=module_training,
+        checkpoint_stop=checkpoint_stop(len(batches)), loss=None,
+    )
+    plan = step.plan.schedule if training else step.plan.forward
+    step.transport = transport = DistributedTransport(channel, sequence, plan, runner.skip_layout, devices)
+    actions: Sequence[Action] = plan.workers[rank]
+    current: Optional[Action] = None
+    try:
+        if loss is not None:
+            fn, target, reduction = loss
+            targets: List[Any] = [None] * len(batches)
+            if rank == last and target is not None:
+                targets = _split_target(target, devices[-1], sizes)
+            weights = [n / total if reduction == "mean" and total else 1.0 for n in sizes]
+            step_loss = step.loss = Loss(fn, targets, weights)
+        for current in actions:
+            if transport.aborted:
+                channel.raise_failure(sequence)
+                raise PipelineError("another rank's step failed")
+            stage.run(step, current)
+        current = None
+        transport.finish()
+        if rank == last and step_loss is not None:
+            losses = [value for value in step.losses if value is not None]
+            value = float(sum(float(v) for v in losses))
+            channel.publish(sequence, "loss", [value])
+        channel.done(sequence)
+    except (PipelineError, Aborted) as exc:
+        transport.fail()
+        if isinstance(exc, Aborted):
+            channel.raise_failure(sequence)
+        raise
+    except BaseException as exc:
+        where = f"action {current}" if current is not None else "its step"
+        channel.fail(sequence, f"rank {rank} failed in {where}: {type(exc).__name__}: {exc}")
+        transport.fail()
+        raise
+    result: Optional[Tensor] = None
+    if step_loss is not None:
+        (value,) = channel.wait_for(sequence, "loss")
+        dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
+        result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
+    outputs = step.take_results() if rank == last and step_loss is None else None
+    return result, outputs
+
+
+def _split_target(target: TensorOrTensors, device: torch.device, sizes: Sequence[float]) -> List[Any]:
+    microbatch.check_input(target, "target")
+    target = transfer.move(target, device)
+    values = (target,) if isinstance(target, Tensor) else tuple(target)
+    size = int(sum(sizes))
+    wrong = [tuple(t.shape) for t in values if t.dim() == 0 or t.size(0) != size]
+    if wrong:
+        raise ValueError(f"the target must share the input's batch dimension (size {size} along dim 0); got {wrong}")
+    parts = microbatch.scatter(target, len(sizes))
+    return [p.value for p in parts]

@@ -1,0 +1,266 @@
+"""The transport of one step between the ranks of a multi-process pipeline: point-to-point over c10d.
+
+[Note: message order] Every rank knows the whole schedule, so it knows which
+messages each other rank will send it in a step, and in which order: a rank
+sends, action by action down its list, a forward's skips (in the layout's
+order) then its activation, and a backward's skip gradients then its input
+gradient. For each peer a receiving thread posts, ahead of need, the
+receives of exactly those messages in exactly that order (a header, then the
+tensors it announces), and leaves each message in the step's mailbox, where
+the stage's action takes it. Each message has tags of its own (its position
+in the pair's order), and both sides issue a pair's operations in the same
+order, as NCCL needs.
+
+[Note: abort messages] When a rank's step fails (or it learns from the store
+that another rank's did), it sends each peer, in place of the next message it
+owed it, a header that says "abort". The peer's receiving thread, waiting for
+exactly that message, ends; everything sent before was received. So after a
+failure seen by every rank no receive is left pending, and the pipeline's
+process groups are as good as new for the next step. Only a rank that died
+leaves its connections closed: its peers' receives fail at once (that is how
+its death is noticed), and the job has to be restarted.
+"""
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from torchpipe import trace
+from torchpipe.distributed import wire
+from torchpipe.distributed.channel import POLL_SECONDS, Channel, PipelineError
+from torchpipe.runtime.transport import Aborted, Edge, EdgeKind, Message
+from torchpipe.schedule import Kind, Schedule
+from torchpipe.skip.layout import SkipLayout
+
+__all__ = ["DistributedTransport", "message_orders"]
+
+#: Tags: a step's messages between a pair are numbered from 0; each takes two tags (header, tensors).
+_TAGS_PER_STEP = 1 << 20  # x2 tags per message, x512 steps: below 2**31
+
+
+def _sends(action: Any, stages: int, layout: SkipLayout) -> List[Edge]:
+    """The messages ``action`` sends, in the order it sends them (see [Note: message order])."""
+    s, i = action.stage, action.microbatch
+    edges: List[Edge] = []
+    if action.kind is Kind.FORWARD:
+        for ns, name in layout.stashes_for_later[s]:
+            edges.append(Edge(EdgeKind.SKIP, i, s, layout.route(ns, name).pop, (ns, name)))
+        if s + 1 < stages:
+            edges.append(Edge(EdgeKind.ACTIVATION, i, s, s + 1))
+    elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+        for ns, name in layout.pops_from_before[s]:
+            edges.append(Edge(EdgeKind.SKIP_GRADIENT, i, s, layout.route(ns, name).stash, (ns, name)))
+        if s > 0:
+            edges.append(Edge(EdgeKind.GRADIENT, i, s, s - 1))
+    return edges
+
+
+def message_orders(schedule: Schedule, layout: SkipLayout) -> Dict[Tuple[int, int], List[Edge]]:
+    """For each (sending worker, receiving worker) pair of different workers, its messages in order."""
+    orders: Dict[Tuple[int, int], List[Edge]] = {}
+    for w, actions in enumerate(schedule.workers):
+        for action in actions:
+            for edge in _sends(action, schedule.stages, layout):
+                target = schedule.stage_workers[edge.target]
+                if target != w:
+                    orders.setdefault((w, target), []).append(edge)
+    return orders
+
+
+class _PeerFailed:
+    """Left in the mailbox by a receiving thread whose peer failed or died."""
+
+    def __init__(self, message: str, died: bool) -> None:
+        self.message = message
+        self.died = died
+
+
+class DistributedTransport:
+    """The messages of one step on this rank: local ones through a mailbox, the others over c10d.
+
+    Args:
+        channel: this rank's channel (process groups, store).
+        sequence: the step's number (the same on every rank).
+        schedule: the step's whole schedule.
+        layout: the skip layout.
+        devices: the device of each stage this rank runs (others: unused).
+    """
+
+    def __init__(
+        self, channel: Channel, sequence: int, schedule: Schedule, layout: SkipLayout, devices: Sequence[torch.device]
+    ) -> None:
+        self.channel = channel
+        self.sequence = sequence
+        self.stage_workers = schedule.stage_workers
+        self.devices = list(devices)
+        self.rank = channel.rank
+        self._cond = threading.Condition()
+        self._slots: Dict[Edge, Message] = {}
+        self._failures: List[_PeerFailed] = []
+        self._aborted = False
+        self._failed = False
+        orders = message_orders(schedule, layout)
+        base = (sequence % 512) * _TAGS_PER_STEP * 2
+        self._base = base
+        #: Per peer, what this rank sends it, in order, and how many of them it has sent.
+        self._outgoing = {peer: edges for (source, peer), edges in orders.items() if source == self.rank}
+        self._index = {peer: {edge: k for k, edge in enumerate(edges)} for peer, edges in self._outgoing.items()}
+        self._sent = {peer: 0 for peer in self._outgoing}
+        self._pending: List[Tuple[Any, List[Tensor]]] = []
+        self._threads = [
+            threading.Thread(
+                target=self._receive, args=(peer, edges), name=f"torchpipe-recv-{peer}-to-{self.rank}", daemon=True
+            )
+            for (peer, target), edges in orders.items()
+            if target == self.rank
+        ]
+        for thread in self._threads:
+            thread.start()
+        self._last_poll = 0.0
+
+    # --- the Transport protocol --------------------------------------------------------------------------
+
+    @property
+    def aborted(self) -> bool:
+        if self._aborted:
+            return True
+        now = time.monotonic()
+        if now - self._last_poll >= POLL_SECONDS:  # between actions: has another rank failed?
+            self._last_poll = now
+            if self.channel.failure(self.sequence) is not None:
+                self._aborted = True
+        return self._aborted
+
+    def send(self, edge: Edge, message: Message) -> None:
+        peer = self.stage_workers[edge.target]
+        if peer == self.rank:
+            with self._cond:
+                self._slots[edge] = message
+                self._cond.notify_all()
+            return
+        k = self._index[peer][edge]
+        assert k == self._sent[peer], f"{edge} is sent out of the schedule's order ({k} != {self._sent[peer]})"
+        self._sent[peer] += 1
+        tensors = [None if t is None else t.detach().contiguous() for t in message.tensors]
+        if edge.kind is EdgeKind.SKIP and not message.tensors:
+            header = wire.encode(wire.Kind.NOT_STASHED)
+        else:
+            header = wire.encode(wire.Kind.DATA, tensors, message.requires_grad, message.atomic)
+        present = [t for t in tensors if t is not None]
+        with trace.span("copy", edge.source, edge.microbatch) if present else trace.NOTHING:
+            works = [self.channel.control.send([header], peer, self._tag(k, 0))]
+            for tensor in present:
+                works.append(self.channel.data.send([tensor], peer, self._tag(k, 1)))
+        self._pending.append((works, [header, *present]))
+
+    def recv(self, edge: Edge) -> Message:
+        with self._cond:
+            while True:
+                message = self._slots.pop(edge, None)
+                if message is not None:
+                    return message
+                if self._failures:
+                    failure = self._failures[0]
+                    self._aborted = True
+                    if failure.died:
+                        self.channel.fail(self.sequence, failure.message)
+                    raise PipelineError(self.channel.failure(self.sequence) or failure.message)
+                if self._aborted:
+                    raise Aborted(f"another action of the step failed while this one waited for the {edge}")
+                self._cond.wait(POLL_SECONDS)
+                if self.channel.failure(self.sequence) is not None:
+                    self._aborted = True
+                    self.channel.raise_failure(self.sequence)
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    # --- the end of a step -----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """After this rank's last action: waits for its sends and its receiving threads."""
+        for works, _ in self._pending:
+            for work in works:
+                work.wait()
+        self._pending.clear()
+        for thread in self._threads:
+            thread.join()
+
+    def fail(self) -> None:
+        """After a failure: tells each peer not to wait for what it still expects (see [Note: abort messages]),
+        and lets the receiving threads end."""
+        if self._failed:
+            return
+        self._failed = True
+        self.abort()
+        for peer, edges in self._outgoing.items():
+            k = self._sent[peer]
+            if k < len(edges):
+                self._sent[peer] = len(edges)
+                header = wire.encode(wire.Kind.ABORT)
+                try:
+                    self._pending.append(([self.channel.control.send([header], peer, self._tag(k, 0))], [header]))
+                except RuntimeError:  # the peer died: it expects nothing any more
+                    pass
+        deadline = time.monotonic() + 10.0
+        for works, _ in self._pending:
+            for work in works:
+                try:
+                    work.wait()
+                except RuntimeError:  # a dead peer
+                    pass
+        self._pending.clear()
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    # --- receiving ---------------------------------------------------------------------------------------
+
+    def _tag(self, k: int, part: int) -> int:
+        return self._base + 2 * k + part
+
+    def _receive(self, peer: int, edges: List[Edge]) -> None:
+        """The receiving thread for ``peer``: posts its messages' receives in order (see [Note: message order])."""
+        try:
+            for k, edge in enumerate(edges):
+                header = torch.empty(wire.HEADER_LENGTH, dtype=torch.int64)
+                self.channel.control.recv([header], peer, self._tag(k, 0)).wait()
+                decoded = wire.decode(header)
+                if decoded.kind is wire.Kind.ABORT:
+                    self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
+                    return
+                if decoded.kind is wire.Kind.NOT_STASHED:
+                    self._put(edge, Message([], (), True))
+                    continue
+                device = self.devices[edge.target]
+                tensors: List[Optional[Tensor]] = []
+                flags: List[bool] = []
+                for meta in decoded.tensors:
+                    if meta is None:
+                        tensors.append(None)
+                        flags.append(False)
+                        continue
+                    dtype, requires_grad, shape = meta
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                    self.channel.data.recv([tensor], peer, self._tag(k, 1)).wait()
+                    tensors.append(tensor)
+                    flags.append(requires_grad)
+                self._put(edge, Message(tensors, tuple(flags), decoded.atomic))
+        except RuntimeError as exc:
+            self._put_failure(_PeerFailed(
+                f"rank {peer} died or closed its connection while rank {self.rank} waited for its "
+                f"{edges[0].kind.value if edges else 'messages'}: {exc}", died=True,
+            ))
+
+    def _put(self, edge: Edge, message: Message) -> None:
+        with self._cond:
+            self._slots[edge] = message
+            self._cond.notify_all()
+
+    def _put_failure(self, failure: _PeerFailed) -> None:
+        with self._cond:
+            self._failures.append(failure)
+            self._cond.notify_all()
