@@ -6,11 +6,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from torchpipe import microbatch, transfer
+from torchpipe import microbatch, trace, transfer
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.distributed.channel import Channel, PipelineError
-from torchpipe.distributed.state import gather_state
+from torchpipe.distributed.state import gather_bytes, gather_state
 from torchpipe.distributed.step import run_step
 from torchpipe.partition import cut, place, resolve_devices, verify_balance, verify_module
 from torchpipe.runtime import Loss, Runner, Step, weight_grad
@@ -303,6 +303,22 @@ class Pipeline(nn.Module):
         merged = gather_state(self._channel, dict(self.state_dict()), self._runner.stage_workers[0])
         # Ranks hold stages out of order (interleaved schedules): put the keys in the module's layer order.
         return dict(sorted(merged.items(), key=lambda item: self._layer_index.get(item[0].split(".", 1)[0], -1)))
+
+    def gather_timeline(self, timeline: trace.Timeline) -> Optional[trace.Timeline]:
+        """Every rank's timeline merged into one, on the first stage's rank (None elsewhere); a collective.
+
+        Record each rank's steps with :func:`torchpipe.trace.record_timeline`,
+        then call this on every rank: the merged timeline has a row per rank
+        and stage (:meth:`~torchpipe.trace.Timeline.save_chrome_trace`,
+        :meth:`~torchpipe.trace.Timeline.save_png`). In one process it returns ``timeline``.
+        """
+        if self._channel is None:
+            return timeline
+        first = self._runner.stage_workers[0]
+        parts = gather_bytes(self._channel, timeline.to_json().encode(), first)
+        if self._channel.rank != first:
+            return None
+        return trace.Timeline.merge([(rank, trace.Timeline.from_json(parts[rank].decode())) for rank in sorted(parts)])
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads the keys this pipeline (this rank) holds from a plain module's, or any GPipe's, Pipeline's

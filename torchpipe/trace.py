@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, ContextManager, Dict, Generator, Iterator, List, Optional, Tuple, Type, Union
+from typing import Any, ContextManager, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 from torchpipe.schedule import Action, Kind, dependencies
 
@@ -59,6 +59,8 @@ class Span:
     end: float
     #: The name of the thread that ran the task.
     thread: str
+    #: The rank that ran it (a merged multi-process timeline), or None.
+    rank: Optional[int] = None
 
     @property
     def duration(self) -> float:
@@ -87,6 +89,8 @@ class Timeline:
     spans: List[Span] = field(default_factory=list)
     #: When the block began, in :func:`time.perf_counter` seconds: time zero of the exports.
     started: float = field(default_factory=time.perf_counter)
+    #: When the block began, in :func:`time.time` seconds (to line up the timelines of several processes).
+    wall: float = field(default_factory=time.time)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, span: Span) -> None:
@@ -102,8 +106,43 @@ class Timeline:
 
     @property
     def partitions(self) -> int:
-        """The number of rows the exports draw: one more than the highest partition recorded."""
+        """One more than the highest partition (stage) recorded."""
         return max((s.partition for s in self), default=-1) + 1
+
+    def rows(self) -> List[Tuple[Optional[int], int]]:
+        """The rows the exports draw, in order: one per partition (stage), per rank in a merged timeline."""
+        if not any(s.rank is not None for s in self):
+            return [(None, j) for j in range(max(self.partitions, 1))]
+        return sorted({(s.rank, s.partition) for s in self}, key=lambda row: (row[0] or 0, row[1]))
+
+    @staticmethod
+    def merge(timelines: Sequence[Tuple[int, "Timeline"]]) -> "Timeline":
+        """One timeline of several processes' (``(rank, timeline)`` pairs), on the first one's clock.
+
+        Each span is tagged with its rank; clocks are lined up by the wall
+        time at which each timeline began (the same clock on one host; across
+        hosts, as good as their synchronisation).
+        """
+        if not timelines:
+            return Timeline()
+        _, base = timelines[0]
+        merged = Timeline(started=base.started, wall=base.wall)
+        for rank, timeline in timelines:
+            shift = (timeline.wall - base.wall) - (timeline.started - base.started)
+            for s in timeline:
+                merged.add(replace(s, start=s.start + shift, end=s.end + shift, rank=rank))
+        merged.spans.sort(key=lambda s: s.end)
+        return merged
+
+    def to_json(self) -> str:
+        """The spans and clocks as JSON (what :meth:`from_json` reads back)."""
+        return json.dumps({"started": self.started, "wall": self.wall,
+                           "spans": [list(vars(s).values()) for s in self]})
+
+    @staticmethod
+    def from_json(text: str) -> "Timeline":
+        data = json.loads(text)
+        return Timeline([Span(*values) for values in data["spans"]], data["started"], data["wall"])
 
     def tasks(self) -> List[Span]:
         """The spans as the exports draw them: each starting when its input was there, sorted by start.
@@ -155,22 +194,27 @@ class Timeline:
         Each task is a complete event (``"ph": "X"``) named like a schedule
         action (``1F0``), with its kind as the category and time in
         microseconds from the start of the :func:`record_timeline` block.
-        ``json.dump`` the result, or use :meth:`save_chrome_trace`; both
-        ``chrome://tracing`` and https://ui.perfetto.dev load it.
+        A merged multi-process timeline has one "process" per rank, with a
+        row per stage. ``json.dump`` the result, or use :meth:`save_chrome_trace`;
+        both ``chrome://tracing`` and https://ui.perfetto.dev load it.
         """
-        pid = 0
-        events: List[Dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "torchpipe pipeline"}},
-        ]
-        for j in range(self.partitions):
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": j, "args": {"name": f"partition {j}"}})
+        events: List[Dict[str, Any]] = []
+        for rank in sorted({r for r, _ in self.rows()}, key=lambda r: r or 0):
+            pid = rank or 0
+            name = "torchpipe pipeline" if rank is None else f"rank {rank}"
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for rank, j in self.rows():
+            row = "partition" if rank is None else "stage"
+            pid = rank or 0
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": j, "args": {"name": f"{row} {j}"}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": j, "args": {"sort_index": j}})
         for s, recorded in self._tasks():
             events.append({
                 "name": s.label,
                 "cat": s.kind,
                 "ph": "X",
-                "pid": pid,
+                "pid": s.rank or 0,
                 "tid": s.partition,
                 "ts": round((s.start - self.started) * 1e6, 3),
                 "dur": round(s.duration * 1e6, 3),
@@ -195,8 +239,9 @@ class Timeline:
     def save_png(self, path: PathLike, *, title: Optional[str] = None, dpi: int = 120) -> None:
         """Draws the timeline as a Gantt chart and saves it to ``path`` (PNG; its folder is created).
 
-        One row per partition (partition 0 on top), one box per task coloured
-        by kind (forward, recompute, backward), the micro-batch number in each
+        One row per partition (partition 0 on top; per rank and stage for a
+        merged multi-process timeline), one box per task coloured
+        by kind (forward, recompute, backward, …), the micro-batch number in each
         box that is wide enough to hold it (boxes from :meth:`tasks`); the x axis is
         milliseconds from the first task.
 
@@ -214,7 +259,9 @@ class Timeline:
             ) from exc
 
         spans = self.tasks()
-        rows = max(self.partitions, 1)
+        labels = self.rows()
+        row_of = {row: k for k, row in enumerate(labels)}
+        rows = max(len(labels), 1)
         origin = min((s.start for s in spans), default=self.started)
         finish = max((s.end for s in spans), default=origin)
         width_ms = max((finish - origin) * 1e3, 1e-3)
@@ -227,14 +274,15 @@ class Timeline:
         for s in spans:
             left = (s.start - origin) * 1e3
             width = s.duration * 1e3
-            axes.broken_barh([(left, width)], (s.partition - 0.4, 0.8),
+            row = row_of.get((s.rank, s.partition), 0)
+            axes.broken_barh([(left, width)], (row - 0.4, 0.8),
                              facecolors=COLORS.get(s.kind, "#777777"), edgecolor="white", linewidth=0.5)
             if width / width_ms * renderer_width_px >= 7 * len(str(s.microbatch)):
-                axes.text(left + width / 2, s.partition, str(s.microbatch), ha="center", va="center",
+                axes.text(left + width / 2, row, str(s.microbatch), ha="center", va="center",
                           fontsize=7, color="white")
         axes.set_ylim(rows - 0.5, -0.5)
         axes.set_yticks(range(rows))
-        axes.set_yticklabels([f"partition {j}" for j in range(rows)])
+        axes.set_yticklabels([f"partition {j}" if rank is None else f"rank {rank}, stage {j}" for rank, j in labels])
         axes.set_xlim(0, width_ms)
         axes.set_xlabel("time (ms)")
         kinds = [k for k in KINDS if any(s.kind == k for s in spans)]

@@ -139,25 +139,31 @@ class Channel:
         # Floats as hexadecimal text: exact, and the store's typed API takes text.
         self.store.set(f"{key}/{sequence}", " ".join(float(v).hex() for v in values))
 
-    def wait_for(self, sequence: int, key: str) -> List[float]:
-        """The values published under ``key`` for step ``sequence``, once they are there (or a failure)."""
-        name = f"{key}/{sequence}"
+    def _wait(self, sequence: int, keys: List[str]) -> None:
+        """Waits until ``keys`` are in the store, looking for a failure of step ``sequence`` as it waits.
+
+        It looks often at first, then every few milliseconds (the store's own
+        timed wait would do, but logs a warning each time it times out).
+        """
+        pause = 0.0002
         while True:
             self.raise_failure(sequence)
             try:
-                if self.store.check([name]):
-                    text = bytes(self.store.get(name)).decode("ascii")
-                    return [float.fromhex(v) for v in text.split()]
+                if self.store.check(keys):
+                    return
             except RuntimeError as exc:
                 raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
-            time.sleep(POLL_SECONDS)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def wait_for(self, sequence: int, key: str) -> List[float]:
+        """The values published under ``key`` for step ``sequence``, once they are there (or a failure)."""
+        name = f"{key}/{sequence}"
+        self._wait(sequence, [name])
+        text = bytes(self.store.get(name)).decode("ascii")
+        return [float.fromhex(v) for v in text.split()]
 
     def done(self, sequence: int) -> None:
         """Marks this rank's step over and waits until every rank's is (raising if one failed meanwhile)."""
         self.store.set(f"done/{sequence}/{self.rank}", "1")
-        keys = [f"done/{sequence}/{r}" for r in range(self.size)]
-        while True:
-            self.raise_failure(sequence)
-            if self.store.check(keys):
-                return
-            time.sleep(POLL_SECONDS / 4)
+        self._wait(sequence, [f"done/{sequence}/{r}" for r in range(self.size)])

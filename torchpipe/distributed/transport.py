@@ -108,7 +108,8 @@ class DistributedTransport:
         self._outgoing = {peer: edges for (source, peer), edges in orders.items() if source == self.rank}
         self._index = {peer: {edge: k for k, edge in enumerate(edges)} for peer, edges in self._outgoing.items()}
         self._sent = {peer: 0 for peer in self._outgoing}
-        self._pending: List[Tuple[Any, List[Tensor]]] = []
+        #: Sends in flight: the peer, the works, and the tensors they read (kept alive until they end).
+        self._pending: List[Tuple[int, List[Any], List[Tensor]]] = []
         self._threads = [
             threading.Thread(
                 target=self._receive, args=(peer, edges), name=f"torchpipe-recv-{peer}-to-{self.rank}", daemon=True
@@ -150,10 +151,20 @@ class DistributedTransport:
             header = wire.encode(wire.Kind.DATA, tensors, message.requires_grad, message.atomic)
         present = [t for t in tensors if t is not None]
         with trace.span("copy", edge.source, edge.microbatch) if present else trace.NOTHING:
-            works = [self.channel.control.send([header], peer, self._tag(k, 0))]
-            for tensor in present:
-                works.append(self.channel.data.send([tensor], peer, self._tag(k, 1)))
-        self._pending.append((works, [header, *present]))
+            try:
+                works = [self.channel.control.send([header], peer, self._tag(k, 0))]
+                for tensor in present:
+                    works.append(self.channel.data.send([tensor], peer, self._tag(k, 1)))
+            except RuntimeError as exc:
+                self._peer_died(peer, f"sent its {edge}", exc)
+        self._pending.append((peer, works, [header, *present]))
+
+    def _peer_died(self, peer: int, doing: str, error: BaseException) -> None:
+        """Records that ``peer``'s connection failed and raises :class:`PipelineError`."""
+        message = f"rank {peer} died or closed its connection while rank {self.rank} {doing}: {error}"
+        self.channel.fail(self.sequence, message)
+        self._aborted = True
+        raise PipelineError(self.channel.failure(self.sequence) or message)
 
     def recv(self, edge: Edge) -> Message:
         with self._cond:
@@ -183,9 +194,12 @@ class DistributedTransport:
 
     def finish(self) -> None:
         """After this rank's last action: waits for its sends and its receiving threads."""
-        for works, _ in self._pending:
+        for peer, works, _ in self._pending:
             for work in works:
-                work.wait()
+                try:
+                    work.wait()
+                except RuntimeError as exc:
+                    self._peer_died(peer, "waited for its sends to end", exc)
         self._pending.clear()
         for thread in self._threads:
             thread.join()
@@ -203,11 +217,11 @@ class DistributedTransport:
                 self._sent[peer] = len(edges)
                 header = wire.encode(wire.Kind.ABORT)
                 try:
-                    self._pending.append(([self.channel.control.send([header], peer, self._tag(k, 0))], [header]))
+                    self._pending.append((peer, [self.channel.control.send([header], peer, self._tag(k, 0))], [header]))
                 except RuntimeError:  # the peer died: it expects nothing any more
                     pass
         deadline = time.monotonic() + 10.0
-        for works, _ in self._pending:
+        for _, works, _ in self._pending:
             for work in works:
                 try:
                     work.wait()

@@ -1,0 +1,110 @@
+"""Runs a function on several ranks, each a fresh Python process with a gloo process group on 127.0.0.1.
+
+Every child is killed when the launch's hard timeout passes (they are in a
+process group of their own), so a hang fails the test and never the suite.
+Each rank's result, or the exception it raised (type and message), comes back
+through a file.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_CHILD = r"""
+import datetime, importlib, json, os, sys, traceback
+import torch, torch.distributed as dist
+module, name, rank, world, port, folder, kwargs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
+    sys.argv[5], sys.argv[6], json.loads(sys.argv[7])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=60))
+try:
+    result = {"ok": getattr(importlib.import_module(module), name)(rank=rank, world=world, **kwargs)}
+except BaseException as exc:
+    result = {"error": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+torch.save(result, os.path.join(folder, f"{rank}.pt"))
+try:
+    dist.destroy_process_group()
+except Exception:
+    pass
+os._exit(0)
+"""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(function: str, world: int, *, timeout: float = 120.0, **kwargs: Any) -> List[Optional[Dict[str, Any]]]:
+    """Runs ``module:function(rank=, world=, **kwargs)`` on ``world`` ranks; each rank's result (None: no result,
+    e.g. the rank was killed).
+
+    Raises:
+        AssertionError: the ranks did not all end within ``timeout`` seconds (they are killed).
+    """
+    module, name = function.split(":")
+    port = free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    with tempfile.TemporaryDirectory() as folder:
+        logs = [open(Path(folder) / f"{rank}.log", "wb") for rank in range(world)]  # a pipe could fill and block
+        children = [
+            subprocess.Popen(
+                [sys.executable, "-c", _CHILD, module, name, str(rank), str(world), str(port), folder,
+                 json.dumps(kwargs)],
+                cwd=ROOT, env=env, stdout=logs[rank], stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            for rank in range(world)
+        ]
+        deadline = time.monotonic() + timeout
+        try:
+            for child in children:
+                child.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for child in children:
+                _kill(child)
+            outputs = [(Path(folder) / f"{rank}.log").read_bytes().decode(errors="replace")[-3000:]
+                       for rank in range(world)]
+            shown = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in enumerate(outputs))
+            raise AssertionError(f"{function} on {world} ranks did not end within {timeout} s:\n{shown}") from None
+        finally:
+            for child in children:
+                _kill(child)
+            for log in logs:
+                log.close()
+        results: List[Optional[Dict[str, Any]]] = []
+        for rank in range(world):
+            path = Path(folder) / f"{rank}.pt"
+            results.append(torch.load(path, weights_only=False) if path.exists() else None)
+        return results
+
+
+def _kill(child: "subprocess.Popen[bytes]") -> None:
+    if child.poll() is None:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait(5)
+
+
+def ok(results: List[Optional[Dict[str, Any]]]) -> List[Any]:
+    """Every rank's returned value, or an AssertionError showing the ranks that failed."""
+    failed = [(rank, r) for rank, r in enumerate(results) if r is None or "ok" not in r]
+    if failed:
+        lines = [f"rank {rank}: {r.get('traceback') if r else 'no result'}" for rank, r in failed]
+        raise AssertionError("\n".join(lines))
+    return [r["ok"] for r in results if r is not None]

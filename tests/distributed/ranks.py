@@ -1,0 +1,211 @@
+"""What each rank runs in the multi-process tests (called by tests/distributed/launch.py in fresh processes)."""
+import copy
+import os
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import torchpipe
+from torchpipe import Pipeline, PipelineError
+from torchpipe.skip import pop, skippable, stash
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Any:
+        y = self.linear(x)
+        yield stash("skip", y)
+        return torch.tanh(y)
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("skip")
+        return self.linear(x) + skip
+
+
+class WithMask(nn.Module):
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return x, (x > 0).long()
+
+
+class UseMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+        x, mask = pair
+        return self.linear(x) * mask.to(x.dtype) + x
+
+
+def model_for(stages: int) -> nn.Sequential:
+    """Two layers per stage: a skip from stage 0 to the last stage, an integer mask from stage 0 to stage 1."""
+    torch.manual_seed(1)
+    layers: List[nn.Module] = [Stash(), WithMask(), UseMask()]
+    while len(layers) < 2 * stages - 1:
+        layers += [nn.Linear(6, 6), nn.Tanh()][: 2 * stages - 1 - len(layers)]
+    layers.append(Pop())
+    return nn.Sequential(*layers)
+
+
+def mse(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def transparency(rank: int, world: int) -> List[str]:
+    """Every schedule, checkpoint mode and chunks: loss on every rank and every local .grad equal the plain module's.
+
+    Returns the cases that differed (empty: all equal).
+    """
+    problems: List[str] = []
+    schedules = ["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b"]
+    for schedule in schedules:
+        stages = 2 * world if schedule == "interleaved_1f1b" else world
+        for checkpoint, chunks in [("never", 1), ("always", 3), ("except_last", 8), ("never", 5)]:
+            model = model_for(stages)
+            plain = copy.deepcopy(model)
+            pipe = Pipeline(model, [2] * stages, chunks=chunks, schedule=schedule, loss_fn=mse,
+                            checkpoint=checkpoint, group=dist.group.WORLD)
+            held = dict(pipe.named_parameters())
+            # Shapes change between steps; the last batch has fewer micro-batches than stages.
+            for batch in (8, 5, 2):
+                torch.manual_seed(batch)
+                x, y = torch.randn(batch, 6), torch.randn(batch, 6)
+                loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+                expected = mse(plain(x), y)
+                expected.backward()
+                case = f"{schedule} {checkpoint} chunks={chunks} batch={batch}"
+                if not torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6):
+                    problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
+                for name, param in plain.named_parameters():
+                    if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
+                        problems.append(f"{case}: gradient of {name} differs")
+    return problems
+
+
+def holds_only_its_stages(rank: int, world: int) -> Dict[str, Any]:
+    """A meta-device model is materialised stage by stage; each rank holds its layers only."""
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(2 * world)])
+    pipe = Pipeline(model, [2] * world, loss_fn=mse, group=dist.group.WORLD)
+    names = sorted({name.split(".")[0] for name, _ in pipe.named_parameters()})
+    meta = [name for name, p in pipe.named_parameters() if p.is_meta]
+    x = torch.randn(4, 64)
+    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    return {"layers": names, "meta": meta, "finite": bool(torch.isfinite(loss))}
+
+
+def save_checkpoint(rank: int, world: int, path: str, stages: int) -> bool:
+    """Trains a step, then saves the whole state dict (plain keys) from the first stage's rank."""
+    torch.manual_seed(3)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(2 * stages)])
+    schedule = "interleaved_1f1b" if stages > world else "1f1b"
+    pipe = Pipeline(model, [2] * stages, chunks=2, loss_fn=mse, schedule=schedule, group=dist.group.WORLD)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    x = torch.randn(4, 6)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    optimizer.step()
+    state = pipe.full_state_dict()
+    if rank == 0:
+        torch.save(state, path)
+        return list(state) == list(nn.Sequential(*[nn.Linear(6, 6) for _ in range(2 * stages)]).state_dict())
+    return state == {}
+
+
+def load_checkpoint(rank: int, world: int, path: str) -> bool:
+    """Loads a checkpoint saved with another world size; the outputs equal the plain module's with it."""
+    state = torch.load(path, weights_only=True)
+    layers = len({key.split(".")[0] for key in state})
+    plain = nn.Sequential(*[nn.Linear(6, 6) for _ in range(layers)])
+    plain.load_state_dict(state)
+    pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(layers)]), [layers // world] * world,
+                    chunks=2, loss_fn=mse, group=dist.group.WORLD)
+    pipe.load_state_dict(state)
+    torch.manual_seed(5)  # the same input on every rank
+    x = torch.randn(4, 6)
+    out = pipe(x if rank == 0 else None)
+    return out is None if rank != world - 1 else bool(torch.allclose(out, plain(x), atol=1e-6))
+
+
+class Fails(nn.Module):
+    """Raises (or ends its process) in micro-batch 2's forward of the step it is armed for."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed and torchpipe.current_microbatch() is not None and torchpipe.current_microbatch().index == 2:
+            if self.how == "die":
+                os._exit(17)
+            raise ValueError("layer failed on purpose")
+        return x
+
+
+def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
+    """Rank 1's layer fails in a step; every rank reports what it raised and when, then runs another step."""
+    fails = Fails(how)
+    layers: List[nn.Module] = []
+    for stage in range(world):
+        layers += [nn.Linear(6, 6), fails if stage == 1 else nn.Tanh()]
+    pipe = Pipeline(nn.Sequential(*layers), [2] * world, chunks=4, loss_fn=mse, schedule=schedule,
+                    group=dist.group.WORLD)
+    x = torch.randn(8, 6)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    fails.armed = rank == 1
+    report: Dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+        report["raised"] = None
+    except BaseException as exc:  # noqa: B036 - reported to the test
+        report["raised"] = type(exc).__name__
+        report["message"] = str(exc)
+    report["seconds"] = time.monotonic() - start
+    fails.armed = False
+    pipe.zero_grad()
+    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    report["next step"] = bool(torch.isfinite(loss))
+    return report
+
+
+def example_losses(rank: int, world: int) -> List[float]:
+    """A few training steps whose losses go down, and whose loss every rank returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 6))
+    pipe = Pipeline(model, [3, 2], chunks=4, loss_fn=mse, group=dist.group.WORLD)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05)
+    x = torch.randn(32, 6)
+    losses = []
+    for _ in range(5):
+        losses.append(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def mismatched_modes(rank: int, world: int) -> str:
+    """Rank 1 calls step() in eval mode while rank 0 trains: both raise, nobody waits."""
+    pipe = Pipeline(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)), [1, 1], loss_fn=mse, group=dist.group.WORLD)
+    if rank == 1:
+        pipe.eval()
+    x = torch.randn(4, 6)
+    try:
+        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    except (PipelineError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

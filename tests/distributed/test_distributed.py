@@ -1,0 +1,87 @@
+"""torchpipe.Pipeline across processes: ranks spawned on 127.0.0.1 with gloo, each test under a hard timeout."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.distributed.launch import ROOT, free_port, launch, ok
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_is_transparent_across_processes(world: int) -> None:
+    problems = ok(launch("tests.distributed.ranks:transparency", world, timeout=240))
+    assert problems == [[]] * world, problems
+
+
+def test_each_rank_holds_only_its_stages_and_materialises_meta_ones() -> None:
+    reports = ok(launch("tests.distributed.ranks:holds_only_its_stages", 2))
+    assert [r["layers"] for r in reports] == [["0", "1"], ["2", "3"]]
+    assert all(r["meta"] == [] and r["finite"] for r in reports)
+
+
+def test_checkpoints_move_between_world_sizes(tmp_path: Path) -> None:
+    path = str(tmp_path / "checkpoint.pt")
+    assert ok(launch("tests.distributed.ranks:save_checkpoint", 2, path=path, stages=4)) == [True, True]
+    assert ok(launch("tests.distributed.ranks:load_checkpoint", 4, path=path)) == [True] * 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_failing_layer_ends_the_step_on_every_rank(schedule: str) -> None:
+    # Rank 1 raises and stays alive: it raises its own error, the others PipelineError naming rank 1, the
+    # action and the error, within seconds; the next step works everywhere.
+    reports = ok(launch("tests.distributed.ranks:failure", 3, how="raise", schedule=schedule))
+    assert reports[1]["raised"] == "ValueError" and "layer failed on purpose" in reports[1]["message"]
+    for rank in (0, 2):
+        report = reports[rank]
+        assert report["raised"] == "PipelineError", report
+        assert "rank 1" in report["message"] and "1F2" in report["message"], report["message"]
+        assert "ValueError: layer failed on purpose" in report["message"]
+        assert report["seconds"] < 10
+    assert all(r["next step"] for r in reports)
+
+
+def test_a_rank_that_dies_makes_the_others_raise() -> None:
+    start = time.monotonic()
+    results = launch("tests.distributed.ranks:failure", 3, how="die", schedule="1f1b", timeout=120)
+    assert results[1] is None  # it died
+    for rank in (0, 2):
+        result = results[rank]
+        assert result is not None and "error" in result, result
+        assert result["error"] == "PipelineError", result
+        assert "rank 1" in result["message"], result["message"]
+    assert time.monotonic() - start < 60
+
+
+def test_ranks_that_disagree_on_the_mode_both_raise() -> None:
+    reports = ok(launch("tests.distributed.ranks:mismatched_modes", 2))
+    assert reports[1].startswith("ValueError") and "same mode" in reports[1]
+    assert reports[0].startswith("PipelineError") and "same mode" in reports[0]
+
+
+def test_every_rank_returns_the_loss() -> None:
+    losses = ok(launch("tests.distributed.ranks:example_losses", 2))
+    assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]
+
+
+@pytest.mark.timeout(300)
+def test_the_example_runs_under_torchrun(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(ROOT / "examples" / "train_distributed.py"),
+        "--epochs", "1", "--timeline", str(tmp_path / "timeline.json"),
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "loss" in done.stdout and (tmp_path / "timeline.json").exists()
