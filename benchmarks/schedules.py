@@ -1,0 +1,201 @@
+"""Schedules benchmark: step time and peak step memory of every Pipeline schedule against the plain module.
+
+On CPU workers with one intra-op thread each, against the plain module with
+one thread, for a 32-layer 512-wide Linear+ReLU MLP (batch 1024, MSE loss)
+and the small U-Net with long skips (``torchpipe.skip``): for ``gpipe``,
+``1f1b`` and ``zero_bubble`` on 2 stages and ``interleaved_1f1b`` on 4 stages
+over 2 workers, ``chunks`` 8, it prints
+
+- the step time as a ratio to the plain step (median of interleaved rounds),
+- the peak step memory as a ratio to the plain step's (a child process per
+  figure, as in ``memory.py``),
+- the bubble fraction the schedule simulator predicts with the per-action
+  costs measured in this run, and the idle fraction measured from the
+  timeline of one step (``1 - busy / (workers x step time)``).
+
+Goals (issue 10, MLP): every schedule's step time <= 0.70 of plain; ``1f1b``
+peak step memory <= 0.5 of ``gpipe``'s.
+
+    python benchmarks/schedules.py [--rounds 7] [--models mlp unet] [--chunks 8] [--json out.json]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+import torchpipe  # noqa: E402
+from benchmarks import common, models  # noqa: E402
+from torchpipe import trace  # noqa: E402
+from torchpipe.schedule import Kind, simulate  # noqa: E402
+
+#: (name, schedule, stages); two workers each.
+CONFIGS: List[Tuple[str, str, int]] = [
+    ("gpipe", "gpipe", 2),
+    ("1f1b", "1f1b", 2),
+    ("interleaved_1f1b (4 stages)", "interleaved_1f1b", 4),
+    ("zero_bubble", "zero_bubble", 2),
+]
+TIME_GOAL = 0.70
+MEMORY_GOAL = 0.5
+
+
+def mlp(layers: int = 32, width: int = 512) -> nn.Sequential:
+    torch.manual_seed(0)
+    modules: List[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*modules)
+
+
+def workload(name: str) -> Tuple[nn.Sequential, Tensor, Tensor]:
+    """(the Sequential, an input batch, a target of the output's shape)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return mlp(), torch.randn(1024, 512), torch.randn(1024, 512)
+    if name == "unet":
+        built = models.unet("small", "skip")
+        assert isinstance(built.module, nn.Sequential)
+        x = built.sample()
+        with torch.no_grad():
+            target = torch.randn_like(built.module(x))
+        return built.module, x, target
+    raise ValueError(f"unknown model {name!r}")
+
+
+def even(layers: int, stages: int) -> List[int]:
+    return [layers // stages + (1 if j < layers % stages else 0) for j in range(stages)]
+
+
+def pipeline(name: str, schedule: str, stages: int, chunks: int) -> Tuple[torchpipe.Pipeline, Tensor, Tensor]:
+    module, x, y = workload(name)
+    devices = ["cpu"] * 2
+    pipe = torchpipe.Pipeline(module, even(len(module), stages), chunks=chunks, schedule=schedule,
+                              loss_fn=nn.functional.mse_loss, devices=devices)
+    return pipe, x, y
+
+
+def plain_step(name: str) -> common.Step:
+    module, x, y = workload(name)
+
+    def step() -> None:
+        nn.functional.mse_loss(module(x), y).backward()
+        for p in module.parameters():
+            p.grad = None
+
+    return step
+
+
+def pipe_step(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> common.Step:
+    def step() -> None:
+        pipe.step(x, y)
+        for p in pipe.parameters():
+            p.grad = None
+
+    return step
+
+
+def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[float, float]:
+    """(simulated bubble with this step's measured mean cost per action kind, idle fraction measured)."""
+    pipe.step(x, y)
+    with trace.record_timeline() as timeline:
+        pipe.step(x, y)
+    for p in pipe.parameters():
+        p.grad = None
+    spans = [s for s in timeline.tasks() if s.action is not None]
+    costs: Dict[Kind, List[float]] = {}
+    for s in spans:
+        assert s.action is not None
+        costs.setdefault(s.action.kind, []).append(s.duration)
+    mean = {kind: statistics.mean(values) for kind, values in costs.items()}
+    simulated = simulate(pipe.schedule, mean).bubble
+    start = min(s.start for s in spans)
+    end = max(s.end for s in spans)
+    busy = sum(s.duration for s in spans)
+    workers = pipe.schedule.num_workers
+    return simulated, 1.0 - busy / (workers * (end - start))
+
+
+def step_memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> int:
+    result = common.run_in_child("benchmarks.schedules:memory",
+                                 {"model": model, "schedule": schedule, "stages": stages, "chunks": chunks})
+    return int(result["step_bytes"])
+
+
+def memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> Dict[str, Any]:
+    """In a child process: the peak RSS of two steps above the peak once the model is built (no step yet).
+
+    A peak (VmHWM) cannot be reset, so the baseline is taken before the first step: the figure holds the
+    step's activations, gradients and allocator caches, alike for every variant.
+    """
+    torch.set_num_threads(1)
+    if schedule is None:
+        step = plain_step(model)
+    else:
+        pipe, x, y = pipeline(model, schedule, stages, chunks)
+        step = pipe_step(pipe, x, y)
+    base = common.cpu_peak_rss_bytes()
+    for _ in range(2):
+        step()
+    return {"step_bytes": max(0, common.cpu_peak_rss_bytes() - base)}
+
+
+def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
+    torch.set_num_threads(1)
+    plain = common.Variant("plain", plain_step(model))
+    rows: List[Dict[str, Any]] = []
+    plain_memory = step_memory(model, None, 1, chunks)
+    for name, schedule, stages in CONFIGS:
+        pipe, x, y = pipeline(model, schedule, stages, chunks)
+        [result] = common.compare(plain, [common.Variant(name, pipe_step(pipe, x, y))], rounds=rounds, warmup=1,
+                                  desc=f"{model} {name}")
+        simulated, idle = timeline_figures(pipe, x, y)
+        del pipe
+        rows.append({
+            "model": model, "schedule": name, "time_ratio": result.ratio, "plain_ms": result.plain_seconds * 1e3,
+            "memory_ratio": step_memory(model, schedule, stages, chunks) / max(plain_memory, 1),
+            "simulated_bubble": simulated, "measured_idle": idle,
+        })
+        print(common.format_table(
+            ["", "step time / plain", "peak memory / plain", "simulated bubble", "measured idle"],
+            [[f"{model} {name}", result.ratio, rows[-1]["memory_ratio"], simulated, idle]],
+        ).splitlines()[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--models", nargs="+", default=["mlp", "unet"], choices=["mlp", "unet"])
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(f"machine: {common.machine_description()}; workers and plain with 1 intra-op thread each")
+    headers = ["model / schedule", "step time / plain", "peak memory / plain", "simulated bubble", "measured idle"]
+    print(common.format_table(headers, []).splitlines()[0])
+    rows: List[Dict[str, Any]] = []
+    for model in args.models:
+        rows += run(model, args.rounds, args.chunks)
+    print()
+    print(common.format_table(headers, [[f"{r['model']} {r['schedule']}", r["time_ratio"], r["memory_ratio"],
+                                         r["simulated_bubble"], r["measured_idle"]] for r in rows]))
+    mlp_rows = {r["schedule"]: r for r in rows if r["model"] == "mlp"}
+    if mlp_rows:
+        worst = max(r["time_ratio"] for r in mlp_rows.values())
+        memory_vs_gpipe = mlp_rows["1f1b"]["memory_ratio"] / mlp_rows["gpipe"]["memory_ratio"]
+        print(f"\nMLP goals: every schedule <= {TIME_GOAL} of plain (worst {worst:.3f}); "
+              f"1f1b peak memory <= {MEMORY_GOAL} of gpipe's ({memory_vs_gpipe:.3f})")
+    medians = [f"{m} {statistics.median(r['plain_ms'] for r in rows if r['model'] == m):.0f} ms" for m in args.models]
+    print(f"(ratios: median of interleaved plain/pipelined pairs; plain step medians: {', '.join(medians)})")
+    if args.json:
+        common.save_json(args.json, {"rows": rows, "goals": {"time": TIME_GOAL, "memory_vs_gpipe": MEMORY_GOAL}})
+
+
+if __name__ == "__main__":
+    main()
