@@ -1,0 +1,215 @@
+"""Distributed benchmark: a Pipeline over 2 gloo ranks against the plain module in one process, and against
+PyTorch's own ``torch.distributed.pipelining`` measured in the same run.
+
+Each rank is a process with one intra-op thread; the plain module runs in
+rank 0's process with one thread while rank 1 waits. The model is a 16-layer
+512-wide Linear+ReLU MLP with an MSE loss, ``chunks`` 8, batch 256 and 1024.
+For each configuration the plain step and the pipelined step alternate in
+rounds (barriers between them), and the speed-up is the median over rounds of
+``plain step time / pipelined step time``. Also: the time from starting the
+processes to the end of the first step, per library.
+
+Configurations: torchpipe ``gpipe`` and ``1f1b``; ``torch.distributed.pipelining``'s
+``ScheduleGPipe`` and ``Schedule1F1B`` (its stages take the same halves of the model).
+
+Goals (issue 11): >= 1.5x the plain speed at batch 1024 and >= 1.3x at 256 (ideal about 1.78x with 8
+micro-batches on 2 stages), ahead of pipelining at both.
+
+    python benchmarks/distributed.py [--rounds 7] [--batches 256 1024] [--json out.json]
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+WORLD = 2
+LAYERS = 16
+WIDTH = 512
+CHUNKS = 8
+CONFIGS = [("torchpipe", "gpipe"), ("torchpipe", "1f1b"), ("pipelining", "ScheduleGPipe"),
+           ("pipelining", "Schedule1F1B")]
+GOALS = {256: 1.3, 1024: 1.5}
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: List[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+class Runner:
+    """One library's pipelined training step on this rank."""
+
+    def __init__(self, library: str, schedule: str, rank: int) -> None:
+        self.rank = rank
+        model = mlp()
+        half = len(model) // 2
+        if library == "torchpipe":
+            import torchpipe
+
+            self.pipe = torchpipe.Pipeline(model, [half, half], chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn,
+                                           group=dist.group.WORLD)
+            self.parameters = list(self.pipe.parameters())
+            self.run = self._torchpipe
+        else:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            part = nn.Sequential(*list(model.children())[half * rank: half * (rank + 1)])
+            stage = PipelineStage(part, rank, WORLD, torch.device("cpu"))
+            kind = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[schedule]
+            self.schedule = kind(stage, CHUNKS, loss_fn=loss_fn)
+            self.parameters = list(part.parameters())
+            self.run = self._pipelining
+
+    def _torchpipe(self, x: Tensor, y: Tensor) -> None:
+        self.pipe.step(x if self.rank == 0 else None, y if self.rank == WORLD - 1 else None)
+
+    def _pipelining(self, x: Tensor, y: Tensor) -> None:
+        if self.rank == 0:
+            self.schedule.step(x)
+        else:
+            losses: List[Tensor] = []
+            self.schedule.step(target=y, losses=losses)
+
+    def step(self, x: Tensor, y: Tensor) -> None:
+        self.run(x, y)
+        for p in self.parameters:
+            p.grad = None
+
+
+def rank_main(rank: int, library: str, schedule: str, batch: int, rounds: int, out: str, spawned: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
+    torch.manual_seed(1)
+    x, y = torch.randn(batch, WIDTH), torch.randn(batch, WIDTH)
+    runner = Runner(library, schedule, rank)
+    runner.step(x, y)
+    first_step = time.time() - spawned
+    plain = mlp()
+
+    def plain_step() -> None:
+        loss_fn(plain(x), y).backward()
+        for p in plain.parameters():
+            p.grad = None
+
+    if rank == 0:
+        plain_step()
+    ratios: List[float] = []
+    plain_times: List[float] = []
+    pipe_times: List[float] = []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            plain_step()
+            plain_times.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        runner.step(x, y)
+        pipe_times.append(time.perf_counter() - start)
+        dist.barrier()
+        if rank == 0:
+            ratios.append(plain_times[-1] / pipe_times[-1])
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "speedup": statistics.median(ratios), "plain_ms": statistics.median(plain_times) * 1e3,
+            "pipe_ms": statistics.median(pipe_times) * 1e3, "first_step_s": first_step,
+        }))
+    dist.destroy_process_group()
+
+
+def measure(library: str, schedule: str, batch: int, rounds: int) -> Dict[str, Any]:
+    """Starts 2 ranks for one configuration; rank 0's figures."""
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "result.json")
+        spawned = time.time()
+        children = []
+        for rank in range(WORLD):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            paths = [str(common.ROOT)] + ([env["PYTHONPATH"]] if "PYTHONPATH" in env else [])
+            env["PYTHONPATH"] = os.pathsep.join(paths)
+            children.append(subprocess.Popen(
+                [sys.executable, __file__, "--rank", str(rank), "--library", library, "--schedule", schedule,
+                 "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned)],
+                cwd=common.ROOT, env=env, start_new_session=True,
+            ))
+        try:
+            for child in children:
+                if child.wait(timeout=600) != 0:
+                    raise RuntimeError(f"{library} {schedule} batch {batch}: a rank exited with {child.returncode}")
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        return dict(json.loads(Path(out).read_text()))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--library", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        rank_main(args.rank, args.library, args.schedule, args.batch, args.rounds, args.out, args.spawned)
+        return
+    print(f"machine: {common.machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
+    print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}")
+    rows: List[List[Any]] = []
+    results: Dict[str, Dict[str, Any]] = {}
+    for batch in args.batches:
+        for library, schedule in CONFIGS:
+            result = measure(library, schedule, batch, args.rounds)
+            results[f"{library} {schedule} batch={batch}"] = result
+            rows.append([f"{library} {schedule}", batch, result["speedup"], GOALS.get(batch), result["pipe_ms"],
+                         result["plain_ms"], result["first_step_s"]])
+            print(common.format_table(
+                ["configuration", "batch", "speed-up vs plain", "goal", "step ms", "plain ms", "start to 1st step s"],
+                [rows[-1]]).splitlines()[-1], flush=True)
+    print()
+    print(common.format_table(
+        ["configuration", "batch", "speed-up vs plain", "goal", "step ms", "plain ms", "start to 1st step s"], rows))
+    print("(speed-up: median over rounds of plain step time / pipelined step time, measured alternately)")
+    if args.json:
+        common.save_json(args.json, {"results": results, "goals": GOALS})
+
+
+if __name__ == "__main__":
+    main()
