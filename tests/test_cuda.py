@@ -154,3 +154,38 @@ def test_copies_between_devices_are_on_the_timeline() -> None:
     copies = sorted((s.partition, s.microbatch) for s in timeline if s.kind == "copy")
     # Activations 0 -> 1 and gradients 1 -> 0, for both micro-batches.
     assert copies == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+# --- Pipeline on CUDA devices ------------------------------------------------------------------------------
+
+
+def check_pipeline(devices: List[str], schedule: str, checkpoint: str) -> None:
+    import torchpipe
+
+    plain = model()
+    stages = len(devices) if schedule != "interleaved_1f1b" else 2 * len(devices)
+    layers = list(copy.deepcopy(plain).children())
+    balance = [1] * (stages - 1) + [len(layers) - stages + 1]
+    pipe = torchpipe.Pipeline(nn.Sequential(*layers), balance, chunks=4, schedule=schedule, checkpoint=checkpoint,
+                              loss_fn=nn.functional.mse_loss, devices=devices)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    plain.to(devices[0])
+    expected = nn.functional.mse_loss(plain(x.to(devices[0])), y.to(devices[0]))
+    expected.backward()
+    loss = pipe.step(x, y)
+    assert torch.allclose(loss.to(expected.device), expected, atol=1e-5)
+    for p, q in zip(plain.parameters(), pipe.parameters()):
+        assert torch.allclose(q.grad.to(p.device), p.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_pipeline_on_one_gpu_and_on_a_gpu_then_the_cpu(schedule: str, checkpoint: str) -> None:
+    check_pipeline(["cuda:0", "cuda:0"], schedule, checkpoint)
+    check_pipeline(["cuda:0", "cpu"], schedule, checkpoint)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_pipeline_on_two_gpus(schedule: str) -> None:
+    check_pipeline(["cuda:0", "cuda:1"], schedule, "except_last")

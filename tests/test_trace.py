@@ -216,3 +216,20 @@ def test_png_without_matplotlib_says_what_to_install(monkeypatch: pytest.MonkeyP
     with pytest.raises(ImportError, match="pip install matplotlib"):
         trace.Timeline().save_png(tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_timelines_of_several_processes_merge_on_one_clock() -> None:
+    # Two ranks' timelines, begun at different wall times: merged, each span keeps its rank and lands where its
+    # wall time says, and the Chrome trace has a process per rank with a row per stage.
+    first = trace.Timeline([trace.Span("forward", 0, 0, 10.0, 10.5, "MainThread")], started=10.0, wall=1000.0)
+    second = trace.Timeline([trace.Span("forward", 1, 0, 50.25, 50.75, "MainThread")], started=50.0, wall=1000.5)
+    merged = trace.Timeline.merge([(0, first), (1, second)])
+    spans = sorted(merged.spans, key=lambda s: s.rank or 0)
+    assert [(s.rank, s.partition) for s in spans] == [(0, 0), (1, 1)]
+    assert spans[1].start == pytest.approx(10.75) and spans[1].end == pytest.approx(11.25)
+    assert merged.rows() == [(0, 0), (1, 1)]
+    events = merged.to_chrome_trace()["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] in ("process_name", "thread_name")}
+    assert {(0, "rank 0"), (1, "rank 1"), (0, "stage 0"), (1, "stage 1")} <= names
+    again = trace.Timeline.from_json(merged.to_json())
+    assert again.spans == merged.spans and again.wall == merged.wall

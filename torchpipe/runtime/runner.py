@@ -24,7 +24,7 @@ from torchpipe.microbatch import Batch
 from torchpipe.runtime.executor import execute
 from torchpipe.runtime.step import Plan, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
-from torchpipe.schedule import Kind, Schedule, simulate, with_recomputation
+from torchpipe.schedule import Kind, Schedule, simulate, validate, with_recomputation
 from torchpipe.skip.layout import SkipLayout
 from torchpipe.stream import AbstractStream, new_stream
 from torchpipe.worker import WorkerGroup, fork_generation
@@ -116,6 +116,7 @@ class Runner:
         if plan is None:
             base = self.schedule(microbatches)
             schedule = with_recomputation(base, lambda s, i: i < checkpoint_stop)
+            validate(schedule)  # every schedule is checked (and simulated) before it first runs
             backward = schedule.only(BACKWARD_PHASE)
             inline: Tuple[Any, ...] = ()
             if self.inline:
