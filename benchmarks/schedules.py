@@ -19,6 +19,7 @@ peak step memory <= 0.5 of ``gpipe``'s.
     python benchmarks/schedules.py [--rounds 7] [--models mlp unet] [--chunks 8] [--json out.json]
 """
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -123,26 +124,40 @@ def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[fl
 
 
 def step_memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> int:
+    """The peak step memory of one configuration, measured in a child process (see :func:`memory`)."""
     result = common.run_in_child("benchmarks.schedules:memory",
                                  {"model": model, "schedule": schedule, "stages": stages, "chunks": chunks})
     return int(result["step_bytes"])
 
 
 def memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> Dict[str, Any]:
-    """In a child process: the peak RSS of two steps above the peak once the model is built (no step yet).
+    """In a child process: the peak RSS of two steps above the peak after a warm-up step on a tiny batch.
 
-    A peak (VmHWM) cannot be reset, so the baseline is taken before the first step: the figure holds the
-    step's activations, gradients and allocator caches, alike for every variant.
+    As in ``memory.py``: the warm-up (two samples per micro-batch) puts the
+    parameters' gradients, the workers and lazy initialisation in the
+    baseline, so the figure is what the batch's own step holds at its peak
+    (activations and temporaries). glibc's mmap threshold is pinned (by
+    :func:`main`, for the children) so that freed activations go back to the
+    system: the peak RSS follows the live tensors instead of the allocator's
+    reuse.
     """
     torch.set_num_threads(1)
+    warm = slice(0, 2 * chunks)
     if schedule is None:
-        step = plain_step(model)
+        module, x, y = workload(model)
+
+        def run(batch: slice) -> None:
+            nn.functional.mse_loss(module(x[batch]), y[batch]).backward()
     else:
         pipe, x, y = pipeline(model, schedule, stages, chunks)
-        step = pipe_step(pipe, x, y)
+
+        def run(batch: slice) -> None:
+            pipe.step(x[batch], y[batch])
+
+    run(warm)  # gradients stay: later steps accumulate into them in place
     base = common.cpu_peak_rss_bytes()
     for _ in range(2):
-        step()
+        run(slice(None))
     return {"step_bytes": max(0, common.cpu_peak_rss_bytes() - base)}
 
 
@@ -170,6 +185,8 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
 
 
 def main() -> None:
+    # For the memory children (see memory()): freed tensors go back to the system at once.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--models", nargs="+", default=["mlp", "unet"], choices=["mlp", "unet"])
