@@ -117,6 +117,8 @@ class Pipeline(nn.Module):
             local = set(range(len(balance)))
         else:
             device = _rank_device(devices)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # NCCL and the caching allocator follow the current device
             self._channel = Channel(group, device, timeout=datetime.timedelta(minutes=30))
             if self._channel.size != workers:
                 raise ValueError(

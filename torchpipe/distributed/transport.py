@@ -238,6 +238,8 @@ class DistributedTransport:
 
     def _receive(self, peer: int, edges: List[Edge]) -> None:
         """The receiving thread for ``peer``: posts its messages' receives in order (see [Note: message order])."""
+        if self.devices and self.devices[0].type == "cuda":
+            torch.cuda.set_device(self.devices[0])  # this thread's current device, for NCCL's receives
         try:
             for k, edge in enumerate(edges):
                 header = torch.empty(wire.HEADER_LENGTH, dtype=torch.int64)
