@@ -4,6 +4,7 @@ import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchpipe import microbatch, trace, transfer
@@ -109,7 +110,10 @@ class Pipeline(nn.Module):
         if not balance:
             raise ValueError("a Pipeline needs at least one stage; the module is empty")
         verify_skippables(module)
-        plan, workers = _schedule(schedule, chunks, len(balance), devices)
+        ranks = None
+        if group is not None and dist.is_available() and dist.is_initialized():
+            ranks = dist.get_world_size(group)
+        plan, workers = _schedule(schedule, chunks, len(balance), devices, ranks)
         stage_workers = list(plan(chunks).stage_workers)
         self._channel: Optional[Channel] = None
         if group is None:
@@ -355,15 +359,21 @@ def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:
 
 
 def _schedule(
-    schedule: ScheduleLike, chunks: int, stages: int, devices: Optional[Sequence[Device]]
+    schedule: ScheduleLike, chunks: int, stages: int, devices: Optional[Sequence[Device]], ranks: Optional[int]
 ) -> Tuple[Callable[[int], Schedule], int]:
-    """The schedule for each number of micro-batches, and the number of workers; validated for ``chunks``."""
+    """The schedule for each number of micro-batches, and the number of workers; validated for ``chunks``.
+
+    The workers of ``'interleaved_1f1b'``: one per rank across processes (``ranks``), else one per entry
+    of ``devices``, else one per two stages.
+    """
     if isinstance(schedule, str):
         if schedule not in NAMES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(map(repr, NAMES))} or build one")
         workers = stages
         if schedule == "interleaved_1f1b":
-            if devices is not None and not isinstance(devices, (str, int, torch.device)):
+            if ranks is not None:
+                workers = ranks
+            elif devices is not None and not isinstance(devices, (str, int, torch.device)):
                 workers = len(list(devices))
             else:
                 workers = max(1, stages // 2)

@@ -183,6 +183,18 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     return report
 
 
+def interleaved_with_four_stages_per_rank(rank: int, world: int) -> bool:
+    """8 stages on 2 ranks: each rank runs 4, and the loss is the plain module's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(8)])
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, [1] * 8, chunks=4, loss_fn=mse, schedule="interleaved_1f1b", group=dist.group.WORLD)
+    x = torch.randn(8, 6)
+    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    held = sorted(int(name.split(".")[0]) for name, _ in pipe.named_parameters() if name.endswith("weight"))
+    return held == [s for s in range(8) if s % world == rank] and bool(torch.allclose(loss, mse(plain(x), x)))
+
+
 def example_losses(rank: int, world: int) -> List[float]:
     """A few training steps whose losses go down, and whose loss every rank returns."""
     torch.manual_seed(0)

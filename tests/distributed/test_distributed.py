@@ -22,6 +22,10 @@ def test_every_schedule_is_transparent_across_processes(world: int) -> None:
     assert problems == [[]] * world, problems
 
 
+def test_interleaved_runs_several_stages_per_rank() -> None:
+    assert ok(launch("tests.distributed.ranks:interleaved_with_four_stages_per_rank", 2)) == [True, True]
+
+
 def test_each_rank_holds_only_its_stages_and_materialises_meta_ones() -> None:
     reports = ok(launch("tests.distributed.ranks:holds_only_its_stages", 2))
     assert [r["layers"] for r in reports] == [["0", "1"], ["2", "3"]]
