@@ -11,11 +11,13 @@ from torchpipe.context import current_microbatch, is_checkpointing, is_recomputi
 from torchpipe.gpipe import GPipe
 from torchpipe.parallel import DataParallel, TupleParallel
 from torchpipe.partition import BalanceError
+from torchpipe.sequential import as_sequential
 
 __all__ = [
     "__version__",
     "GPipe",
     "BalanceError",
+    "as_sequential",
     "current_microbatch",
     "is_checkpointing",
     "is_recomputing",

@@ -1,0 +1,226 @@
+"""``TracedLayer``: one layer of a Sequential made by ``as_sequential``, running code generated from the graph."""
+import linecache
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, cast
+
+from torch import Tensor, fx, nn
+
+from torchpipe.skip.namespace import Namespace
+from torchpipe.skip.skippable import Skippable, pop, stash
+from torchpipe.types import TensorOrTensors
+
+__all__ = ["TracedLayer"]
+
+#: (path of the attribute in the layer, the module that owns the original, its name there)
+_Borrowed = Tuple[str, nn.Module, str]
+
+
+class TracedLayer(Skippable):
+    """One layer of an ``as_sequential`` Sequential: a call of a submodule and the code around it.
+
+    It holds the module's own submodules, parameters and buffers (the same
+    objects) under their qualified names, so ``layer.layer1[0].conv1`` is the
+    model's ``layer1[0].conv1``. Its ``forward`` takes and returns a tensor or
+    a tuple of tensors and runs Python code generated from the traced graph
+    (see :attr:`code`); values that later layers need travel as
+    :mod:`torchpipe.skip` stashes and pops, so the layer also works in a
+    plain ``nn.Sequential``.
+
+    Attributes:
+        name: the qualified name of the submodule call that starts the layer
+            (``'layer1.0.conv1'``).
+        code: the generated source of the layer's computation.
+        torchpipe_draws_random: whether the layer's own code (not the
+            submodules it calls) may draw random numbers.
+
+    Example::
+
+        seq = torchpipe.as_sequential(model, torch.rand(2, 3, 32, 32))
+        print(seq[1])        # which values it takes, pops, returns and stashes
+        print(seq[1].code)   # the code it runs
+    """
+
+    name: str
+    code: str
+    torchpipe_draws_random: bool
+
+    def __init__(
+        self,
+        name: str,
+        graph: fx.Graph,
+        attributes: Dict[str, Any],
+        borrowed: Sequence[_Borrowed],
+        *,
+        persistent: Set[str],
+        received: Sequence[str],
+        pops: Sequence[Tuple[str, int]],
+        stashes: Sequence[Tuple[str, int]],
+        carried: int,
+        returns_tuple: bool,
+        draws_random: bool,
+        namespace: Namespace,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.torchpipe_draws_random = draws_random
+        self._graph = graph
+        self._received = tuple(received)
+        #: (skip name, the layer that stashes it)
+        self._pops = tuple(pops)
+        #: (skip name, the layer that pops it)
+        self._stashes = tuple(stashes)
+        self._carried = carried
+        self._returns_tuple = returns_tuple
+        self._borrowed: List[_Borrowed] = list(borrowed)
+        # Skippable reads its skip names from these; they differ per layer, so they live on the instance.
+        self.__dict__["stashable_names"] = frozenset(n for n, _ in stashes)
+        self.__dict__["poppable_names"] = frozenset(n for n, _ in pops)
+        if pops or stashes:
+            self.isolate(namespace)
+        self._install(attributes, persistent)
+        self._compile()
+
+    # --- construction ---
+
+    def _install(self, attributes: Dict[str, Any], persistent: Set[str]) -> None:
+        """Puts every module, parameter and tensor the code uses at its qualified name in this layer.
+
+        Tensors in ``persistent`` (the module's persistent buffers) are in the
+        layer's state dict; constants and plain tensor attributes are not.
+        """
+        for path, value in sorted(attributes.items(), key=lambda kv: (not isinstance(kv[1], nn.Module), kv[0])):
+            parent_path, _, attr = path.rpartition(".")
+            parent: nn.Module = self
+            for atom in parent_path.split(".") if parent_path else []:
+                child = parent._modules.get(atom)
+                if child is None:
+                    child = nn.Module()
+                    parent.add_module(atom, child)
+                parent = child
+            if isinstance(value, nn.Module):
+                parent.add_module(attr, value)
+            elif isinstance(value, nn.Parameter):
+                if parent._parameters.get(attr) is not value:
+                    parent.register_parameter(attr, value)
+            elif parent._buffers.get(attr) is not value:
+                parent.register_buffer(attr, value, persistent=path in persistent)
+
+    def _compile(self) -> None:
+        python = self._graph.python_code(root_module="self")
+        filename = f"<torchpipe.as_sequential layer {self.name} at {id(self):#x}>"
+        # Registered so that tracebacks through a layer show the generated line.
+        linecache.cache[filename] = (len(python.src), None, python.src.splitlines(keepends=True), filename)
+        scope: Dict[str, Any] = dict(python.globals)
+        exec(compile(python.src, filename, "exec"), scope)  # noqa: S102 - code generated from the graph
+        self.__dict__["code"] = python.src.strip("\n") + "\n"
+        self.__dict__["_run"] = scope["forward"]
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_run", None)  # a function made by exec; rebuilt from the graph
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._compile()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TracedLayer":
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        # A buffer the module's own code reads directly is registered here too; moving the layer
+        # replaces the tensor here, so the owner gets the moved one and its state_dict stays right.
+        for path, owner, attr in self._borrowed:
+            parent_path, _, name = path.rpartition(".")
+            parent = self.get_submodule(parent_path) if parent_path else self
+            if name in parent._buffers:
+                owner._buffers[attr] = parent._buffers[name]
+        return self
+
+    # --- running ---
+
+    def _arguments(self, input: TensorOrTensors) -> Tuple[Tensor, ...]:
+        count = len(self._received)
+        if isinstance(input, Tensor):
+            if count == 1:
+                return (input,)
+        elif isinstance(input, tuple) and len(input) == count and all(isinstance(t, Tensor) for t in input):
+            return input
+        expected = "a tensor" if count == 1 else f"a tuple of {count} tensors ({', '.join(self._received)})"
+        got = f"a tuple of {len(input)}" if isinstance(input, tuple) else type(input).__name__
+        raise TypeError(f"layer {self.name!r} takes {expected}, got {got}")
+
+    def _result(self, values: Sequence[Tensor]) -> TensorOrTensors:
+        if self._returns_tuple or len(values) != 1:
+            return tuple(values)
+        return values[0]
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+        values = self._arguments(input)
+        run = self.__dict__["_run"]
+        if not self._pops and not self._stashes:
+            return self._result(run(self, *values))
+        return cast(TensorOrTensors, self._drive(self._with_skips(run, values)))
+
+    def _with_skips(
+        self, run: Callable[..., Tuple[Tensor, ...]], values: Tuple[Tensor, ...]
+    ) -> Generator[Any, Any, TensorOrTensors]:
+        popped = []
+        for name, _ in self._pops:
+            popped.append((yield pop(name)))
+        results = run(self, *values, *popped)
+        for (name, _), tensor in zip(self._stashes, results[self._carried :]):
+            yield stash(name, tensor)
+        return self._result(results[: self._carried])
+
+    # --- reading ---
+
+    def __repr__(self) -> str:
+        lines = [f"TracedLayer[{self.name}]("]
+        takes = ", ".join(self._received)
+        pops = ", ".join(f"{name.rpartition('@')[0]} (from layer {source})" for name, source in self._pops)
+        lines.append(f"  takes: {takes}" + (f"; pops: {pops}" if pops else ""))
+        for path, value in self._held():
+            text = repr(value).replace("\n", "\n  ")
+            lines.append(f"  ({path}): {text}")
+        returns = self._output_names()
+        stashes = ", ".join(f"{name.rpartition('@')[0]} (for layer {target})" for name, target in self._stashes)
+        lines.append(f"  returns: {returns}" + (f"; stashes: {stashes}" if stashes else ""))
+        lines.append(")")
+        return "\n".join(lines)
+
+    def _held(self) -> List[Tuple[str, Any]]:
+        """The modules, parameters and tensors of the model this layer holds, by qualified name."""
+        held: List[Tuple[str, Any]] = []
+
+        def visit(module: nn.Module, prefix: str) -> None:
+            for name, p in module._parameters.items():
+                held.append((prefix + name, _Shape("Parameter", p)))
+            for name, b in module._buffers.items():
+                held.append((prefix + name, _Shape("Tensor", b)))
+            for name, child in module._modules.items():
+                if child is None:
+                    continue
+                if type(child) is nn.Module:  # a container made for the path
+                    visit(child, f"{prefix}{name}.")
+                else:
+                    held.append((prefix + name, child))
+
+        visit(self, "")
+        return held
+
+    def _output_names(self) -> str:
+        output = next(node for node in self._graph.nodes if node.op == "output")
+        values = output.args[0]
+        nodes = list(values) if isinstance(values, (tuple, list)) else [values]
+        names = [str(n) for n in nodes[: self._carried]]
+        if self._returns_tuple:
+            return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+        return ", ".join(names)
+
+
+class _Shape:
+    """Shows a tensor in a repr by its kind and shape."""
+
+    def __init__(self, kind: str, tensor: Optional[Tensor]) -> None:
+        self.text = f"{kind}{tuple(tensor.shape)}" if tensor is not None else "None"
+
+    def __repr__(self) -> str:
+        return self.text
