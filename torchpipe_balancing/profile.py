@@ -9,16 +9,26 @@ detached, marked ``requires_grad`` and cloned, so the input is not a leaf (a
 first ``ReLU(inplace=True)`` works, as it does inside a pipeline) and the
 user's sample is never modified in place. Integer tensors (token ids) are
 cloned and passed as they are.
+
+[Note: skips while profiling] Layers of :mod:`torchpipe.skip` (and those of
+``torchpipe.as_sequential``) hand tensors to later layers with stash and pop.
+Profiled one at a time, each layer runs under a :class:`_SkipTracker`: a popped
+tensor is a fresh input like the layer's own (so its backward stops there, as
+at a partition boundary), and a stashed tensor is a root of the stashing
+layer's backward, as it is in a pipeline, where the popping layer's gradient
+comes back to it.
 """
 import dataclasses
 import statistics
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import Tensor, nn
 
+from torchpipe.context import task_context
+from torchpipe.skip.namespace import Namespace
 from torchpipe.transfer import map_structure, split, tensors_of
 from torchpipe.types import TensorOrTensors
 
@@ -40,6 +50,46 @@ def _detached(batch: Any) -> Any:
     return map_structure(lambda x: x.detach() if isinstance(x, Tensor) else x, batch)
 
 
+class _SkipTracker:
+    """Serves stash and pop while layers are profiled one at a time (see [Note: skips while profiling])."""
+
+    def __init__(self) -> None:
+        self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
+        #: What the layer being profiled stashed.
+        self.stashed: List[Tensor] = []
+
+    def save(self, layer: Any, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        self.tensors[(ns, name)] = tensor
+        if tensor is not None:
+            self.stashed.append(tensor)
+
+    def load(self, layer: Any, ns: Namespace, name: str) -> Optional[Tensor]:
+        try:
+            tensor = self.tensors.pop((ns, name))
+        except KeyError:
+            raise RuntimeError(
+                f"{type(layer).__name__} popped {name!r} ({ns}) but no earlier layer stashed it"
+            ) from None
+        return None if tensor is None else cast(Tensor, _fresh_input(tensor))
+
+    def run(self, layer: nn.Module, inputs: Any) -> Tuple[Any, List[Tensor]]:
+        """Runs ``layer`` on ``inputs``; returns its output and the tensors it stashed."""
+        self.stashed = []
+        with task_context(None, skips=self):
+            output = layer(inputs)
+        stashed, self.stashed = self.stashed, []
+        return output, stashed
+
+
+def _roots(output: Any, stashed: List[Tensor]) -> List[Tensor]:
+    """The tensors a layer's backward starts from: its outputs and what it stashed, each once."""
+    roots: Dict[int, Tensor] = {}
+    for t in list(tensors_of(output)) + stashed:
+        if t.requires_grad:
+            roots.setdefault(id(t), t)
+    return list(roots.values())
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -49,15 +99,16 @@ def _one_pass(layers: List[nn.Module], sample: Any, device: torch.device) -> Lis
     """Times forward and backward of every layer once; returns seconds per layer."""
     times: List[float] = []
     batch = sample
+    skips = _SkipTracker()
     for layer in layers:
         inputs = _fresh_input(batch)
         _synchronize(device)
         start = time.perf_counter()
-        output = layer(inputs)
+        output, stashed = skips.run(layer, inputs)
         _synchronize(device)
         forward = time.perf_counter() - start
 
-        roots = [t for t in tensors_of(output) if t.requires_grad]
+        roots = _roots(output, stashed)
         grads = [torch.ones_like(t) for t in roots]
         _synchronize(device)
         start = time.perf_counter()
@@ -68,7 +119,7 @@ def _one_pass(layers: List[nn.Module], sample: Any, device: torch.device) -> Lis
 
         times.append(forward + backward)
         batch = _detached(output)
-        del inputs, output, roots, grads
+        del inputs, output, stashed, roots, grads
     return times
 
 
@@ -137,7 +188,9 @@ def _storage_bytes(t: Tensor) -> int:
     return t.numel() * t.element_size() if storage is None else int(storage.nbytes())
 
 
-def _layer_size(layer: nn.Module, inputs: Any, device: torch.device) -> Tuple[LayerSize, Any]:
+def _layer_size(
+    layer: nn.Module, inputs: Any, device: torch.device, skips: _SkipTracker
+) -> Tuple[LayerSize, Any]:
     """Runs ``layer`` forward on ``inputs`` and measures it; returns the measurement and the output."""
     # Parameters and buffers are kept alive by the layer, not by the micro-batch.
     own: Set[Tuple[str, int]] = {_storage_key(t) for t in layer.parameters()}
@@ -160,13 +213,15 @@ def _layer_size(layer: nn.Module, inputs: Any, device: torch.device) -> Tuple[La
     if cuda:
         # A throw-away forward first: lazy allocations that outlive it (the cuBLAS workspace,
         # cuDNN's) must not be mistaken for memory the graph keeps.
-        layer(_fresh_input(inputs))
+        probe = _SkipTracker()
+        probe.tensors = dict(skips.tensors)
+        probe.run(layer, _fresh_input(inputs))
         torch.cuda.synchronize(device)
         allocated_before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        output = layer(inputs)
+        output, _ = skips.run(layer, inputs)
     activation_bytes = sum(saved.values())
     peak: Optional[int] = None
 
@@ -207,10 +262,11 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int, de
     microbatch = split(input, chunks)[0]
     sizes: List[LayerSize] = []
     batch: Any = microbatch
+    skips = _SkipTracker()
     with torch.enable_grad():
         for layer in module:
             inputs = _fresh_input(batch)
-            size, output = _layer_size(layer, inputs, device)
+            size, output = _layer_size(layer, inputs, device, skips)
             sizes.append(size)
             batch = _detached(output)
             del inputs, output

@@ -142,11 +142,18 @@ def _check_names(
 
 
 def _describe(traced: Traced, value: Any) -> str:
+    """What an output is, in words: ``'a dict'``, ``'a tuple (Tensor, int)'``."""
     if isinstance(value, fx.Node):
         kind = traced.kinds.get(value)
-        return "a tensor" if kind is Tensor else f"a {getattr(kind, '__name__', kind)}"
-    if isinstance(value, tuple) and type(value) is tuple:
-        return "a tuple of " + ", ".join(_describe(traced, v).split(" ", 1)[1] for v in value)
+        return f"a {getattr(kind, '__name__', kind)}"
+    if value is None:
+        return "None"
+    if isinstance(value, dict):
+        return "a dict"
+    if isinstance(value, list):
+        return "a list"
+    if type(value) is tuple:
+        return "a tuple (" + ", ".join(_describe(traced, v).split(" ", 1)[-1] for v in value) + ")"
     return f"a {type(value).__name__}"
 
 

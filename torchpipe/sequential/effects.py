@@ -1,13 +1,13 @@
 """What a graph node does besides computing its value: drawing random numbers, writing or aliasing a tensor."""
 import inspect
 import operator
-from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["draws_random", "written_input", "aliased_input"]
+__all__ = ["draws_random", "call_draws_random", "written_input", "aliased_input"]
 
 # --- random numbers --------------------------------------------------------------------------------
 
@@ -57,17 +57,38 @@ _RANDOM_METHODS = frozenset({
 _SAFE_MODULES = frozenset({"_operator", "operator", "builtins", "math"})
 
 
-def _argument(node: fx.Node, name: str, position: int, default: Any) -> Any:
-    if name in node.kwargs:
-        return node.kwargs[name]
-    if len(node.args) > position:
-        return node.args[position]
+def _argument(args: Sequence[Any], kwargs: Mapping[str, Any], name: str, position: int, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    if len(args) > position:
+        return args[position]
     return default
 
 
 def _from_torch(function: Callable[..., Any]) -> bool:
     module = getattr(function, "__module__", None) or ""
     return module == "torch" or module.startswith("torch.")
+
+
+def call_draws_random(op: str, target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call (an fx node's ``op``, ``target``, ``args`` and ``kwargs``) may draw random numbers.
+
+    See :func:`draws_random`; an argument that is an ``fx.Node`` (or a
+    ``Proxy``) is not static, so a dropout whose ``training`` is one draws.
+    """
+    if op == "call_method":
+        return target in _RANDOM_METHODS
+    if op != "call_function":
+        return False
+    if target in _RANDOM_FUNCTIONS:
+        return True
+    if target in _CONDITIONAL:
+        name, position, default, off = _CONDITIONAL[target]
+        value = _argument(args, kwargs, name, position, default)
+        return not isinstance(value, (bool, int, float)) or value != off
+    if _from_torch(target):
+        return False
+    return (getattr(target, "__module__", None) or "") not in _SAFE_MODULES
 
 
 def draws_random(node: fx.Node) -> bool:
@@ -79,21 +100,7 @@ def draws_random(node: fx.Node) -> bool:
     PyTorch's, Python's operators and builtins or ``math``'s: unknown code may
     draw.
     """
-    if node.op == "call_method":
-        return node.target in _RANDOM_METHODS
-    if node.op != "call_function":
-        return False
-    target = node.target
-    assert callable(target), f"call_function target {target!r} is not callable"
-    if target in _RANDOM_FUNCTIONS:
-        return True
-    if target in _CONDITIONAL:
-        name, position, default, off = _CONDITIONAL[target]
-        value = _argument(node, name, position, default)
-        return isinstance(value, fx.Node) or value != off
-    if _from_torch(target):
-        return False
-    return (getattr(target, "__module__", None) or "") not in _SAFE_MODULES
+    return call_draws_random(node.op, node.target, node.args, node.kwargs)
 
 
 # --- writing in place and aliasing -----------------------------------------------------------------

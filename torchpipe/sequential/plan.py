@@ -121,6 +121,11 @@ def _first_segments(traced: Traced, split_points: Optional[Sequence[str]], defau
         return [_Segment([], [default_name])]
     if not anchors:
         return [_Segment(list(ops), [default_name])]
+    if split_points is not None and anchors[0][0] > 0:
+        # The user cuts at the first split point: what comes before it is a layer of its own, named
+        # after its first submodule call.
+        calls = [str(node.target) for node in ops[: anchors[0][0]] if node.op == "call_module"]
+        anchors.insert(0, (0, calls[0] if calls else default_name))
     starts = [0] + [position for position, _ in anchors[1:]]
     ends = starts[1:] + [len(ops)]
     segments = [_Segment(list(ops[a:b]), [name]) for a, b, (_, name) in zip(starts, ends, anchors)]

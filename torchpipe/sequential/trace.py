@@ -22,7 +22,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 from torch import Tensor, fx, nn
-from torch.fx.proxy import TraceError
+from torch.fx.proxy import Proxy, TraceError
+from torch.overrides import TorchFunctionMode
+
+from torchpipe.sequential.effects import call_draws_random
 
 __all__ = ["UntraceableError", "Traced", "Scope", "trace", "SCOPE"]
 
@@ -237,6 +240,39 @@ class _Tracer(fx.Tracer):
         return node
 
 
+class _RandomCalls(TorchFunctionMode):
+    """Records random calls that take no traced value (``torch.randn(3)``) instead of running them once.
+
+    fx runs a torch function whose arguments hold no ``Proxy`` while it
+    traces, and keeps the result as a constant: the layers would then add the
+    same "random" tensor to every batch.
+    """
+
+    def __init__(self, tracer: fx.Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not _holds_proxy((args, kwargs)) and call_draws_random("call_function", func, args, kwargs) and (
+            getattr(func, "__module__", "") or ""
+        ).startswith("torch"):
+            return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
+        return func(*args, **kwargs)
+
+
+def _holds_proxy(value: Any) -> bool:
+    if isinstance(value, Proxy):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_proxy(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_proxy(v) for v in value.values())
+    return False
+
+
 def _rule(module: nn.Module) -> Optional[Callable[..., Any]]:
     """The tracing rule for ``module``: one of :data:`_RULES` if its class runs torch's own forward."""
     for cls, rule in _RULES.items():
@@ -403,7 +439,8 @@ def trace(
     entry = _entry(module, example_args, names)
     tracer = _Tracer(module, leaf_names, leaf_types)
     try:
-        graph = tracer.trace(entry)
+        with _RandomCalls(tracer):
+            graph = tracer.trace(entry)
     except Exception as error:
         raise _untraceable(module, tracer, error) from error
 
