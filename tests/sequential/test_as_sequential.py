@@ -14,6 +14,7 @@ from tests.sequential.models import BasicBlock, Encoder, ResidualNet, TwoInTwoOu
 from torchpipe.sequential import TracedLayer, UntraceableError
 from torchpipe.skip import verify_skippables
 from torchpipe.skip.skippable import Skippable
+from torchpipe.transfer import record_transfers
 from torchpipe_balancing import balance_by_size, balance_by_time
 
 
@@ -155,10 +156,11 @@ def skip_ends(seq: nn.Sequential) -> Tuple[Dict[str, int], Dict[str, int]]:
     stashed: Dict[str, int] = {}
     popped: Dict[str, int] = {}
     for k, layer in enumerate(seq):
-        for ns, name in layer.stashed():
-            assert (ns, name) not in stashed, f"{name} stashed twice"
+        for _, name in layer.stashed():
+            assert name not in stashed, f"{name} stashed twice"
             stashed[name] = k
-        for ns, name in layer.popped():
+        for _, name in layer.popped():
+            assert name not in popped, f"{name} popped twice"
             popped[name] = k
     return stashed, popped
 
@@ -180,8 +182,22 @@ def test_the_residual_input_of_a_block_is_a_skip() -> None:
     names = [layer.name for layer in seq]
     stashed, popped = skip_ends(seq)
     ends = sorted((names[stashed[n]], names[popped[n]]) for n in stashed)
-    assert ("bn1", "layer1.0.bn2") in ends  # the stem's output, added at the end of the first block
-    assert ("layer1.1.bn2", "layer2.0.downsample.0") in ends  # the downsample reads the block's input
+    # A block's input goes to its first convolution, which stashes it for the residual add at the end of the
+    # block (so at a partition boundary before the block it crosses once, not twice).
+    assert ("layer1.0.conv1", "layer1.0.bn2") in ends
+    assert ("layer2.0.conv1", "layer2.0.downsample.0") in ends  # the downsample reads the block's input
+
+
+def test_a_tensor_used_by_the_next_layer_and_a_later_one_crosses_a_partition_boundary_once() -> None:
+    module = ResidualNet()
+    x = torch.randn(4, 3, 8, 8)
+    seq = torchpipe.as_sequential(module, x)
+    names = [layer.name for layer in seq]
+    first = names.index("layer1.0.conv1")  # its input is the block's input, also used by layer1.0.bn2
+    piped = torchpipe.GPipe(seq, [first, len(seq) - first], devices=["cpu", "cpu"], chunks=2)
+    with record_transfers() as log:
+        piped(x).sum().backward()
+    assert sorted({r.kind for r in log}) == ["activation", "gradient"]
 
 
 def test_each_layer_passes_on_only_what_later_layers_need() -> None:
@@ -492,7 +508,9 @@ class Returns(nn.Module):
         return y, x.size(0)
 
 
-@pytest.mark.parametrize("kind, described", [("dict", "a dict"), ("list", "a list"), ("int", r"a tuple \(Tensor, int\)")])
+@pytest.mark.parametrize(
+    "kind, described", [("dict", "a dict"), ("list", "a list"), ("int", r"a tuple \(Tensor, int\)")]
+)
 def test_outputs_that_are_not_tensors_are_a_type_error_saying_to_wrap_the_module(kind: str, described: str) -> None:
     with pytest.raises(TypeError, match=f"Returns.forward returns {described}; wrap the module"):
         torchpipe.as_sequential(Returns(kind), torch.randn(2, 4))
@@ -518,8 +536,8 @@ def test_layers_have_a_readable_repr_and_code() -> None:
     text = repr(seq)
     assert "TracedLayer[layer1.0.conv1](" in text
     assert "(layer1.0.conv1): Conv2d(8, 8, kernel_size=(3, 3)" in text
-    assert "stashes: relu (for layer 5)" in text and "pops: relu (from layer 1)" in text
-    assert seq[0].code.startswith("def forward(self, x):")
+    assert "stashes: relu (for layer 5)" in text and "pops: relu (from layer 2)" in text
+    assert seq[0].code.startswith("def forward(self, input):\n    x = input")
     assert seq[2].get_submodule("layer1.0.conv1") is seq[2].layer1.get_submodule("0").conv1
 
 

@@ -3,7 +3,7 @@ from typing import Any, List, Optional, Sequence, Type, Union
 
 from torch import Tensor, fx, nn
 
-from torchpipe.sequential.codegen import build_layers
+from torchpipe.sequential.build import build_layers
 from torchpipe.sequential.layer import TracedLayer
 from torchpipe.sequential.plan import called_split_points, plan
 from torchpipe.sequential.trace import Traced, UntraceableError, trace

@@ -1,11 +1,12 @@
 """``TracedLayer``: one layer of a Sequential made by ``as_sequential``, running code generated from the graph."""
-import linecache
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, cast
+import types
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 from torch import Tensor, fx, nn
 
+from torchpipe.sequential.codegen import compile_forward
 from torchpipe.skip.namespace import Namespace
-from torchpipe.skip.skippable import Skippable, pop, stash
+from torchpipe.skip.skippable import Skippable
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["TracedLayer"]
@@ -105,18 +106,24 @@ class TracedLayer(Skippable):
                 parent.register_buffer(attr, value, persistent=path in persistent)
 
     def _compile(self) -> None:
-        python = self._graph.python_code(root_module="self")
-        filename = f"<torchpipe.as_sequential layer {self.name} at {id(self):#x}>"
-        # Registered so that tracebacks through a layer show the generated line.
-        linecache.cache[filename] = (len(python.src), None, python.src.splitlines(keepends=True), filename)
-        scope: Dict[str, Any] = dict(python.globals)
-        exec(compile(python.src, filename, "exec"), scope)  # noqa: S102 - code generated from the graph
-        self.__dict__["code"] = python.src.strip("\n") + "\n"
-        self.__dict__["_run"] = scope["forward"]
+        source, run = compile_forward(
+            self._graph,
+            f"<torchpipe.as_sequential layer {self.name} at {id(self):#x}>",
+            received=len(self._received),
+            pops=[name for name, _ in self._pops],
+            stashes=[name for name, _ in self._stashes],
+            carried=self._carried,
+            returns_tuple=self._returns_tuple,
+        )
+        self.__dict__["code"] = source
+        # The generated function is the forward itself: no trampoline for the many small layers of a
+        # pipeline. A bound method, so that deepcopy binds it to the copy.
+        self.__dict__["forward"] = types.MethodType(run, self)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("_run", None)  # a function made by exec; rebuilt from the graph
+        for made in ("forward", "code"):  # made by exec; rebuilt from the graph
+            state.pop(made, None)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -136,7 +143,8 @@ class TracedLayer(Skippable):
 
     # --- running ---
 
-    def _arguments(self, input: TensorOrTensors) -> Tuple[Tensor, ...]:
+    def _arguments(self, input: Any) -> Tuple[Tensor, ...]:
+        """The values in ``input``, checked (the generated code calls this when a quick check fails)."""
         count = len(self._received)
         if isinstance(input, Tensor):
             if count == 1:
@@ -147,28 +155,9 @@ class TracedLayer(Skippable):
         got = f"a tuple of {len(input)}" if isinstance(input, tuple) else type(input).__name__
         raise TypeError(f"layer {self.name!r} takes {expected}, got {got}")
 
-    def _result(self, values: Sequence[Tensor]) -> TensorOrTensors:
-        if self._returns_tuple or len(values) != 1:
-            return tuple(values)
-        return values[0]
-
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        values = self._arguments(input)
-        run = self.__dict__["_run"]
-        if not self._pops and not self._stashes:
-            return self._result(run(self, *values))
-        return cast(TensorOrTensors, self._drive(self._with_skips(run, values)))
-
-    def _with_skips(
-        self, run: Callable[..., Tuple[Tensor, ...]], values: Tuple[Tensor, ...]
-    ) -> Generator[Any, Any, TensorOrTensors]:
-        popped = []
-        for name, _ in self._pops:
-            popped.append((yield pop(name)))
-        results = run(self, *values, *popped)
-        for (name, _), tensor in zip(self._stashes, results[self._carried :]):
-            yield stash(name, tensor)
-        return self._result(results[: self._carried])
+        # Every instance replaces this with its generated code (see _compile).
+        return cast(TensorOrTensors, self.__dict__["forward"](input))
 
     # --- reading ---
 

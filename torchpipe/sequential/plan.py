@@ -31,7 +31,10 @@ they see the written values as the module's own code does.
 [Note: liveness] A tensor made in layer ``p`` and used in layer ``c``: if
 ``c == p + 1`` it is part of what ``p`` returns; otherwise ``p`` stashes it
 and ``c`` pops it, one skip name per (tensor, layer that uses it), so inside
-GPipe it goes straight to ``c``'s partition. A layer returns only what the
+GPipe it goes straight to ``c``'s partition. If ``p + 1`` uses it too, ``p + 1``
+stashes it instead: it has the tensor already, so a tensor crosses a
+partition boundary once, not once as an input and once more as a skip (a
+ResNet block's input goes to its first convolution and to its residual add). A layer returns only what the
 next layer uses; the module's inputs count as made in layer 0. When a layer
 uses nothing of the previous one (a ResNet downsample convolution reads the
 block's input, not the previous layer's output), it *relays* a tensor of the
@@ -182,9 +185,16 @@ class _Analysis:
         return self._shared_state() or self._recompute_or_merge() or self._writes() or self._empty_boundary()
 
     def producer(self, value: fx.Node, user: int) -> int:
-        """The segment that hands ``value`` to segment ``user``: where it is made, or the last relay before."""
-        relays = [k for k in self.relays.get(value, ()) if k < user]
-        return max(relays) if relays else self.home[value]
+        """The segment that hands ``value`` to segment ``user`` (see [Note: liveness]).
+
+        The last segment before ``user`` that has it: where it is made, the
+        next segment if that one uses it too, or a relay.
+        """
+        home = self.home[value]
+        holders = [k for k in self.relays.get(value, ()) if k < user]
+        if home + 1 < user and value in self.needs[home + 1]:
+            holders.append(home + 1)
+        return max(holders) if holders else home
 
     # --- shared parameters and buffers ---
 

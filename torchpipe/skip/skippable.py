@@ -30,7 +30,7 @@ from torchpipe.context import current
 from torchpipe.skip.namespace import DEFAULT, Namespace
 from torchpipe.skip.registry import PlainTracker, Tracker
 
-__all__ = ["skippable", "stash", "pop", "Skippable"]
+__all__ = ["skippable", "stash", "pop", "Skippable", "current_tracker"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -57,6 +57,12 @@ class pop:
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+def current_tracker() -> Tracker:
+    """The tracker that serves stash and pop requests made now: the running GPipe task's, else this thread's."""
+    tracker: Tracker = current().skips or PlainTracker.for_thread()
+    return tracker
 
 
 class Skippable(nn.Module):
@@ -96,7 +102,7 @@ class Skippable(nn.Module):
         """Runs a generator forward, serving its stash and pop requests; returns its return value."""
         if not isinstance(result, Generator):
             return result
-        tracker: Tracker = current().skips or PlainTracker.for_thread()
+        tracker = current_tracker()
         reply: Optional[Tensor] = None
         try:
             while True:
