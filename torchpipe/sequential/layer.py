@@ -19,8 +19,9 @@ class TracedLayer(Skippable):
     """One layer of an ``as_sequential`` Sequential: a call of a submodule and the code around it.
 
     It holds the module's own submodules, parameters and buffers (the same
-    objects) under their qualified names, so ``layer.layer1[0].conv1`` is the
-    model's ``layer1[0].conv1``. Its ``forward`` takes and returns a tensor or
+    objects) under their qualified names, so
+    ``layer.get_submodule('layer1.0.conv1')`` is the model's
+    ``layer1[0].conv1``. Its ``forward`` takes and returns a tensor or
     a tuple of tensors and runs Python code generated from the traced graph
     (see :attr:`code`); values that later layers need travel as
     :mod:`torchpipe.skip` stashes and pops, so the layer also works in a
