@@ -186,15 +186,18 @@ def torchvision_module() -> Optional[ModuleType]:
     return torchvision
 
 
-def resnet50(preset: str = "small") -> Workload:
+def resnet50(preset: str = "small", *, width: Optional[int] = None, size: Optional[int] = None) -> Workload:
     """ResNet-50 as an ordinary module: torchvision's when it imports, else :class:`ResNet` (the same architecture).
 
     ``paper``: torchvision's sizes (width 64, 224x224, 1000 classes, batch 128).
-    ``small``: width 4, 32x32, 10 classes, batch 32 (torchvision's model when it
-    is the one used: its width is fixed at 64).
+    ``small``: width 4, 32x32, 10 classes, batch 32. ``width`` and ``size``
+    (the images') override the preset's; torchvision's model is used only at
+    its own width, 64.
     """
-    width, size, classes, batch = _resnet_sizes(preset)
-    torchvision = torchvision_module()
+    preset_width, preset_size, classes, batch = _resnet_sizes(preset)
+    width = preset_width if width is None else width
+    size = preset_size if size is None else size
+    torchvision = torchvision_module() if width == 64 else None
     if torchvision is not None:
         module = torchvision.models.resnet50(num_classes=classes)
         return Workload("resnet50-torchvision", module, (batch, 3, size, size))

@@ -108,27 +108,29 @@ class Entry:
     hand_names: Optional[List[str]] = None
 
 
-def traced_resnet50(preset: str) -> Entry:
+def traced_resnet50(preset: str, width: Optional[int] = None, size: Optional[int] = None) -> Entry:
     """ResNet-50 as a module, as_sequential of it, and the same model by hand (three copies, same weights)."""
     torch.manual_seed(0)
-    resnet = models.resnet50(preset)
+    resnet = models.resnet50(preset, width=width, size=size)
     module = resnet.module
     sequential = torchpipe.as_sequential(copy.deepcopy(module), resnet.sample(batch=2))
     source = copy.deepcopy(module)
     hand = models.resnet_by_hand(source)
     names = {id(m): name for name, m in source.named_modules()}
     workload = models.Workload(TRACED, sequential, resnet.input_shape)
-    note = (f"{resnet.name} made a Sequential by torchpipe.as_sequential: {len(sequential)} layers; by hand: "
-            f"{len(hand)} layers (one per block)")
+    note = (f"{resnet.name} (stem width {resnet.module.conv1.out_channels}, {resnet.input_shape[-1]}x"
+            f"{resnet.input_shape[-1]} images) made a Sequential by torchpipe.as_sequential: {len(sequential)} "
+            f"layers; by hand: {len(hand)} layers (one per block)")
     return Entry(workload, module, None, note, hand, [names.get(id(layer), "") for layer in hand])
 
 
-def workloads(names: Sequence[str], preset: str) -> List[Entry]:
+def workloads(names: Sequence[str], preset: str, resnet50_width: Optional[int] = None,
+              resnet50_image: Optional[int] = None) -> List[Entry]:
     """The pipelined Sequential, the plain baseline and the torchgpipe-ready Sequential (or None) of each model."""
     out: List[Entry] = []
     for name in names:
         if name == TRACED:
-            out.append(traced_resnet50(preset))
+            out.append(traced_resnet50(preset, resnet50_width, resnet50_image))
             continue
         if name != "unet":
             w = models.build(name, preset)
@@ -186,7 +188,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
           f"{args.rounds} interleaved pairs per figure (median), torchgpipe: {'yes' if tg else 'not importable'}")
     results: Dict[str, Any] = {"preset": args.preset, "device": str(device), "checkpoint": args.checkpoint,
                                "balance_by": args.balance, "threads": threads, "models": {}}
-    for entry in workloads(args.models, args.preset):
+    for entry in workloads(args.models, args.preset, args.resnet50_width, args.resnet50_image):
         workload, plain_module, theirs_module, note = entry.workload, entry.plain, entry.theirs, entry.note
         if note:
             print(f"note: {note}")
@@ -261,6 +263,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         print_model(workload, rows)
         results["models"][workload.name] = {"batch": workload.batch, "input_shape": list(workload.input_shape),
                                             "layers": len(sequential), "note": note, "configs": rows}
+        if hand is not None:
+            results["models"][workload.name]["hand_layers"] = len(hand)
     return results
 
 
@@ -339,6 +343,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--tg-threads", type=int, default=None,
                         help="intra-op threads of torchgpipe's caller on CPU (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--resnet50-width", type=int, default=None,
+                        help=f"{TRACED}: the stem's channels (default: the preset's; 64 is torchvision's)")
+    parser.add_argument("--resnet50-image", type=int, default=None,
+                        help=f"{TRACED}: the image size (default: the preset's)")
     args = parser.parse_args(argv)
     results = run(args)
     if args.json:
