@@ -13,6 +13,7 @@ the stashes and what it returns. For ``layer1.0.bn3`` of a ResNet::
         yield _torchpipe_stash('layer1_0_relu_2@15', layer1_0_relu_2)
         return layer1_0_relu_2
 """
+import hashlib
 import linecache
 from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
@@ -116,7 +117,7 @@ def _fast_module_calls(source: str, graph: fx.Graph, header: int) -> str:
 
 def compile_forward(
     graph: fx.Graph,
-    filename: str,
+    name: str,
     *,
     received: int,
     pops: Sequence[str],
@@ -124,7 +125,7 @@ def compile_forward(
     carried: int,
     returns_tuple: bool,
 ) -> Tuple[str, Callable[..., Any]]:
-    """The layer's ``forward(self, input)`` for ``graph``: its source and the function.
+    """The ``forward(self, input)`` of layer ``name`` for ``graph``: its source and the function.
 
     ``graph``'s placeholders are the received values, then the popped ones;
     its output is a flat tuple: the values passed on (``carried`` of them, or
@@ -134,7 +135,9 @@ def compile_forward(
     python = graph.python_code(root_module="self")
     header = 2 + (1 if pops or stashes else 0) + len(pops)
     source = _fast_module_calls(python.src, graph, header).strip("\n") + "\n"
-    # Registered so that a traceback through a layer shows the generated line.
+    # Registered so that a traceback through a layer shows the generated line; named after the code, so
+    # that copies of a layer share one entry.
+    filename = f"<torchpipe.as_sequential layer {name} {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     scope: Dict[str, Any] = dict(python.globals)
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - code generated from the graph

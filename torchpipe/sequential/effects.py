@@ -33,19 +33,17 @@ _RANDOM_FUNCTIONS = _existing(
 #: means no draw). Dropouts draw in training; RReLU draws in training (off by default);
 #: scaled_dot_product_attention draws when dropout_p is not 0.
 _CONDITIONAL: Dict[Callable[..., Any], Tuple[str, int, Any, Any]] = {}
-for _name in ("dropout", "dropout1d", "dropout2d", "dropout3d"):
-    if hasattr(F, _name):
-        _CONDITIONAL[getattr(F, _name)] = ("training", 2, True, False)
-for _name in ("alpha_dropout", "feature_alpha_dropout"):
-    _CONDITIONAL[getattr(F, _name)] = ("training", 2, False, False)
-for _name in ("rrelu", "rrelu_"):
-    _CONDITIONAL[getattr(F, _name)] = ("training", 3, False, False)
-    _CONDITIONAL[getattr(torch, _name)] = ("training", 3, False, False)
-for _name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout", "feature_dropout_",
-              "feature_alpha_dropout", "feature_alpha_dropout_"):
-    if hasattr(torch, _name):
-        _CONDITIONAL[getattr(torch, _name)] = ("train", 2, None, False)
-_CONDITIONAL[F.scaled_dot_product_attention] = ("dropout_p", 4, 0.0, 0.0)
+for _function in _existing("dropout", "dropout1d", "dropout2d", "dropout3d", module=F):
+    _CONDITIONAL[_function] = ("training", 2, True, False)
+for _function in _existing("alpha_dropout", "feature_alpha_dropout", module=F):
+    _CONDITIONAL[_function] = ("training", 2, False, False)
+for _function in _existing("rrelu", "rrelu_", module=F) | _existing("rrelu", "rrelu_"):
+    _CONDITIONAL[_function] = ("training", 3, False, False)
+for _function in _existing("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+                           "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_"):
+    _CONDITIONAL[_function] = ("train", 2, None, False)
+for _function in _existing("scaled_dot_product_attention", module=F):
+    _CONDITIONAL[_function] = ("dropout_p", 4, 0.0, 0.0)
 
 #: Tensor methods that draw random numbers.
 _RANDOM_METHODS = frozenset({

@@ -109,7 +109,7 @@ class TracedLayer(Skippable):
     def _compile(self) -> None:
         source, run = compile_forward(
             self._graph,
-            f"<torchpipe.as_sequential layer {self.name} at {id(self):#x}>",
+            self.name,
             received=len(self._received),
             pops=[name for name, _ in self._pops],
             stashes=[name for name, _ in self._stashes],
@@ -118,7 +118,7 @@ class TracedLayer(Skippable):
         )
         self.__dict__["code"] = source
         # The generated function is the forward itself: no trampoline for the many small layers of a
-        # pipeline. A bound method, so that deepcopy binds it to the copy.
+        # pipeline. Copies and unpickled layers make their own (see __getstate__).
         self.__dict__["forward"] = types.MethodType(run, self)
 
     def __getstate__(self) -> Dict[str, Any]:

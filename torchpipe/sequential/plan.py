@@ -174,13 +174,17 @@ class _Analysis:
             self.home[node] = 0
         self.owners = owners
         self.runs: List[List[fx.Node]] = []
+        #: For each segment, the values it uses from earlier ones (relayed ones too), in graph order.
         self.needs: List[List[fx.Node]] = []
+        self._needed: List[Set[fx.Node]] = []
         self.clones: List[List[fx.Node]] = []
 
-    def first_merge(self) -> Optional[Tuple[int, int]]:
-        """The first range of segments that must become one layer (see [Note: merging]); None if none.
+    def next_change(self) -> Optional[Tuple[int, int]]:
+        """What the segments need before they can be layers, or None when they can be.
 
-        May add a relay instead of merging; the caller analyses again then.
+        ``(first, last)``: segments ``first`` to ``last`` must become one (see
+        [Note: merging]). ``(k, k)``: segment ``k`` now relays a tensor (see
+        [Note: liveness]). Either way the caller analyses again.
         """
         return self._shared_state() or self._recompute_or_merge() or self._writes() or self._empty_boundary()
 
@@ -192,7 +196,7 @@ class _Analysis:
         """
         home = self.home[value]
         holders = [k for k in self.relays.get(value, ()) if k < user]
-        if home + 1 < user and value in self.needs[home + 1]:
+        if home + 1 < user and value in self._needed[home + 1]:
             holders.append(home + 1)
         return max(holders) if holders else home
 
@@ -228,7 +232,7 @@ class _Analysis:
 
     def _recompute_or_merge(self) -> Optional[Tuple[int, int]]:
         """Fills ``runs`` (each segment's nodes plus recomputed non-tensor values) and ``needs``."""
-        self.runs, self.needs = [], []
+        self.runs, self.needs, self._needed = [], [], []
         last = len(self.segments) - 1
         for k, segment in enumerate(self.segments):
             local: Set[fx.Node] = set(segment.nodes)
@@ -253,6 +257,7 @@ class _Analysis:
             needed.update(value for value, relays in self.relays.items() if k in relays)
             self.runs.append(sorted(segment.nodes + extra, key=self.order.__getitem__))
             self.needs.append(sorted(needed, key=self.order.__getitem__))
+            self._needed.append(needed)
         return None
 
     # --- writes to received tensors ---
@@ -270,7 +275,7 @@ class _Analysis:
                 if target is None or target not in incoming or target in clones:
                     continue
                 clones.append(target)
-                readers = [d for d in range(k + 1, len(self.segments)) if target in self.needs[d]]
+                readers = [d for d in range(k + 1, len(self.segments)) if target in self._needed[d]]
                 if readers:
                     return k, max(readers)
             self.clones.append(sorted(clones, key=self.order.__getitem__))
@@ -342,10 +347,10 @@ def plan(traced: Traced, module: nn.Module, split_points: Optional[Sequence[str]
     relays: Dict[fx.Node, Set[int]] = {}
     while True:
         analysis = _Analysis(traced, segments, owners, relays)
-        merge = analysis.first_merge()
-        if merge is None:
+        change = analysis.next_change()
+        if change is None:
             break
-        first, last = merge
+        first, last = change
         if first == last:
             continue  # a relay was added
         # Relays are indices of segments that are about to shift: start over without them.
