@@ -128,6 +128,15 @@ def test_every_generated_layer_says_whether_its_own_code_draws() -> None:
     assert all(isinstance(layer.torchpipe_draws_random, bool) for layer in seq)
 
 
+def test_the_modules_a_layer_makes_to_hold_submodules_never_draw() -> None:
+    module = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Dropout()), nn.Linear(2, 2))
+    seq = torchpipe.as_sequential(module, torch.randn(3, 2))
+    own = {id(m) for m in module.modules()}
+    made = [m for layer in seq for m in layer.modules() if id(m) not in own]
+    assert len(made) > len(seq)  # the layers and the paths to the submodules ('0' in '0.0')
+    assert all(m.torchpipe_draws_random is False for m in made)
+
+
 # --- writes and aliases ---
 
 

@@ -95,7 +95,7 @@ class TracedLayer(Skippable):
             for atom in parent_path.split(".") if parent_path else []:
                 child = parent._modules.get(atom)
                 if child is None:
-                    child = nn.Module()
+                    child = _Path()
                     parent.add_module(atom, child)
                 parent = child
             if isinstance(value, nn.Module):
@@ -188,7 +188,7 @@ class TracedLayer(Skippable):
             for name, child in module._modules.items():
                 if child is None:
                     continue
-                if type(child) is nn.Module:  # a container made for the path
+                if type(child) is _Path:
                     visit(child, f"{prefix}{name}.")
                 else:
                     held.append((prefix + name, child))
@@ -204,6 +204,15 @@ class TracedLayer(Skippable):
         if self._returns_tuple:
             return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
         return ", ".join(names)
+
+
+class _Path(nn.Module):
+    """Holds submodules at their qualified path in a layer (``layer1`` in ``layer1.0.conv1``); never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Code of its own that draws random numbers: none (see TracedLayer.torchpipe_draws_random).
+        self.torchpipe_draws_random = False
 
 
 class _Shape:
