@@ -180,6 +180,23 @@ def test_split_points_pipeline(runner: Runner) -> None:
     check_transparent(runner, module, (x,), [2, 2, 2], 3, "always", seq)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@settings(max_examples=3)
+@given(data=st.data(), chunks=st.integers(1, 4))
+def test_torchvision_resnet18(runner: Runner, checkpoint: str, data: st.DataObject, chunks: int) -> None:
+    try:
+        import torchvision  # type: ignore[import-untyped]
+    except Exception as error:  # noqa: BLE001 - a CUDA build beside a CPU torch fails with RuntimeError too
+        pytest.skip(f"torchvision is not usable here ({type(error).__name__}: {error})")
+    torch.manual_seed(chunks)
+    # GroupNorm instead of BatchNorm, so that micro-batches keep the mini-batch's numbers.
+    module = torchvision.models.resnet18(num_classes=5, norm_layer=lambda c: nn.GroupNorm(2, c))
+    x = torch.randn(4, 3, 32, 32)
+    seq = torchpipe.as_sequential(module, x[:2])
+    check_transparent(runner, module, (x,), data.draw(balances(len(seq))), chunks, checkpoint, seq)
+
+
 def test_deferred_batch_norm_updates_the_modules_running_statistics_once() -> None:
     module = ResidualNet(norm=nn.BatchNorm2d)
     reference = copy.deepcopy(module)
