@@ -35,6 +35,10 @@ __all__ = [
     "Workload",
     "build",
     "resnet101",
+    "resnet50",
+    "ResNet",
+    "resnet_by_hand",
+    "torchvision_module",
     "unet",
     "amoebanet",
     "skip_api",
@@ -106,29 +110,98 @@ class Bottleneck(nn.Module):
         return self.relu(out + identity)  # type: ignore[no-any-return]
 
 
+class ResNet(nn.Module):
+    """A ResNet as torchvision writes it: an ordinary module (not a Sequential) with torchvision's layout.
+
+    The same architecture as ``torchvision.models.resnet50`` (bottleneck blocks
+    with the stride on the 3x3 convolution, a strided 1x1 convolution and BN
+    as downsample, ``blocks=(3, 4, 6, 3)``) and the same attribute names, so
+    its ``state_dict`` keys are torchvision's; ``width`` is the stem's
+    channels (64 in torchvision).
+    """
+
+    def __init__(self, blocks: Sequence[int] = (3, 4, 6, 3), width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, 2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(3, 2, padding=1)
+        cin = width
+        stages: List[nn.Sequential] = []
+        for stage, count in enumerate(blocks):
+            planes = width * 2**stage
+            layers: List[nn.Module] = []
+            for index in range(count):
+                layers.append(Bottleneck(cin, planes, 2 if index == 0 and stage > 0 else 1))
+                cin = planes * 4
+            stages.append(nn.Sequential(*layers))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
+
+
+def resnet_by_hand(model: nn.Module) -> nn.Sequential:
+    """A ResNet (this module's or torchvision's) written by hand as the flat Sequential GPipe takes.
+
+    Stem layers, one element per block (the residual skip inside it), then
+    the head; the layers are ``model``'s own modules.
+    """
+    stem = [model.conv1, model.bn1, model.relu, model.maxpool]
+    blocks = [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage]
+    return nn.Sequential(*stem, *blocks, model.avgpool, nn.Flatten(), model.fc)
+
+
+def _resnet_sizes(preset: str) -> Tuple[int, int, int, int]:
+    """(width, image size, classes, batch): ``paper`` is torchvision's ImageNet model, ``small`` fits a CPU."""
+    _check_preset(preset)
+    return (64, 224, 1000, 128) if preset == "paper" else (4, 32, 10, 32)
+
+
 def resnet101(preset: str = "small") -> Workload:
     """ResNet-101 (blocks [3, 4, 23, 3]) flattened: 4 stem layers, 33 blocks, 3 head layers.
 
     ``paper``: base width 64, 224x224 images, 1000 classes, batch 128.
     ``small``: base width 4, 32x32 images, 10 classes, batch 32 (same depth).
     """
-    _check_preset(preset)
-    base, size, classes, batch = (64, 224, 1000, 128) if preset == "paper" else (4, 32, 10, 32)
-    layers: List[nn.Module] = [
-        nn.Conv2d(3, base, 7, 2, padding=3, bias=False),
-        nn.BatchNorm2d(base),
-        nn.ReLU(),
-        nn.MaxPool2d(3, 2, padding=1),
-    ]
-    cin = base
-    for stage, blocks in enumerate([3, 4, 23, 3]):
-        width = base * 2**stage
-        for index in range(blocks):
-            stride = 2 if index == 0 and stage > 0 else 1
-            layers.append(Bottleneck(cin, width, stride))
-            cin = width * 4
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
-    return Workload("resnet101", nn.Sequential(*layers), (batch, 3, size, size))
+    width, size, classes, batch = _resnet_sizes(preset)
+    model = ResNet((3, 4, 23, 3), width, classes)
+    return Workload("resnet101", resnet_by_hand(model), (batch, 3, size, size))
+
+
+def torchvision_module() -> Optional[ModuleType]:
+    """``torchvision``, or None where it does not import or does not work beside this torch.
+
+    A CUDA build of torchvision beside a CPU build of torch imports, then
+    fails loading its compiled operators (a RuntimeError, not an ImportError).
+    """
+    try:
+        import torchvision  # type: ignore[import-untyped]
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    return torchvision
+
+
+def resnet50(preset: str = "small", *, width: Optional[int] = None, size: Optional[int] = None) -> Workload:
+    """ResNet-50 as an ordinary module: torchvision's when it imports, else :class:`ResNet` (the same architecture).
+
+    ``paper``: torchvision's sizes (width 64, 224x224, 1000 classes, batch 128).
+    ``small``: width 4, 32x32, 10 classes, batch 32. ``width`` and ``size``
+    (the images') override the preset's; torchvision's model is used only at
+    its own width, 64.
+    """
+    preset_width, preset_size, classes, batch = _resnet_sizes(preset)
+    width = preset_width if width is None else width
+    size = preset_size if size is None else size
+    torchvision = torchvision_module() if width == 64 else None
+    if torchvision is not None:
+        module = torchvision.models.resnet50(num_classes=classes)
+        return Workload("resnet50-torchvision", module, (batch, 3, size, size))
+    return Workload("resnet50", ResNet((3, 4, 6, 3), width, classes), (batch, 3, size, size))
 
 
 # --- U-Net -------------------------------------------------------------------------------------------

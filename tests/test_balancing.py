@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from torchpipe.skip import pop, skippable, stash
 from torchpipe_balancing import balance_by_size, balance_by_time, balance_cost
 from torchpipe_balancing.blockpartition import solve
 from torchpipe_balancing.profile import profile_sizes
@@ -315,6 +316,56 @@ def test_balance_by_size_is_valid(model_index: int, partitions: int) -> None:
 def test_balance_by_size_tuple_input() -> None:
     model = nn.Sequential(Join(), Split(), Join(), nn.Linear(8, 8))
     assert_valid(balance_by_size(2, model, (torch.randn(4, 8), torch.randn(4, 8)), chunks=2), 4, 2)
+
+
+# --- skip connections --------------------------------------------------------------------------
+
+
+@skippable(stash=["skip"])
+class StashWide(nn.Module):
+    """Stashes a wide activation that a later layer pops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 512)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        wide = self.linear(x)
+        yield stash("skip", wide)
+        return wide[:, :16]
+
+
+@skippable(pop=["skip"])
+class PopWide(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        wide = yield pop("skip")
+        return x + wide[:, 16:32] * wide[:, 32:48]
+
+
+def skip_model() -> nn.Sequential:
+    return nn.Sequential(StashWide(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), PopWide(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("balance", [balance_by_time, balance_by_size])
+def test_the_profilers_run_skippable_layers(balance) -> None:  # type: ignore[no-untyped-def]
+    # Each layer is profiled alone: a popped tensor is a fresh input there, and a stashed one a root of the
+    # stashing layer's backward (see [Note: skips while profiling]).
+    model = skip_model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = {"timeout": 0.1} if balance is balance_by_time else {}
+    result = balance(3, model, torch.randn(8, 16), **kwargs)
+    assert len(result) == 3 and sum(result) == 6
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_skip_counts_where_it_is_held() -> None:
+    sizes = profile_sizes(skip_model(), torch.randn(8, 16), 1, torch.device("cpu"))
+    # In a pipeline the stashing partition holds the stashed tensor until its backward, and the popping one its
+    # copy, which PopWide saves (two slices of it) for the product's backward: both count it.
+    assert sizes[0].activation_bytes >= 8 * 512 * 4
+    assert sizes[4].activation_bytes >= 8 * 512 * 4
+    assert all(size.activation_bytes < 8 * 512 * 4 for size in sizes[1:4])
 
 
 # --- the module is left as it was -------------------------------------------------------------

@@ -123,3 +123,43 @@ def test_speed_helpers() -> None:
 
     assert speed.parse_config("2x8") == (2, 8)
     assert speed.even_balance(10, 3) == [4, 3, 3]
+
+
+def test_resnet50_is_an_ordinary_module_and_by_hand_the_same_model() -> None:
+    workload = models.resnet50("small")
+    module = workload.module
+    assert not isinstance(module, nn.Sequential)
+    hand = models.resnet_by_hand(module)
+    assert len(hand) == 4 + 16 + 3
+    x = tiny(workload.input_shape)
+    module.eval()
+    torch.testing.assert_close(hand(x), module(x))
+    assert sum(1 for _ in module.parameters()) == 53 + 2 * 53 + 2  # convolutions, BatchNorms, the classifier
+
+
+def test_traced_resnet50_is_cut_like_the_hand_written_one() -> None:
+    from benchmarks import speed
+
+    entry = speed.traced_resnet50("small")
+    traced, hand = entry.workload.module, entry.hand
+    assert hand is not None and entry.hand_names is not None
+    assert len(traced) == 107
+    cut = speed.same_cut(traced, entry.hand_names, [11, 12])
+    # The second partition starts with the block that starts the hand-written one's second partition.
+    first = traced[cut[0]].name
+    assert first.startswith(entry.hand_names[11] + ".") and not traced[cut[0] - 1].name.startswith(
+        entry.hand_names[11] + ".")
+    x = tiny(entry.workload.input_shape)
+    entry.plain.eval()
+    torch.testing.assert_close(traced.eval()(x), entry.plain(x))
+    torch.testing.assert_close(hand.eval()(x), entry.plain(x))
+
+
+def test_speed_runs_the_traced_resnet50(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import speed
+
+    results = speed.main(["--models", "resnet50-traced", "--configs", "2x2", "--rounds", "1", "--warmup", "0",
+                          "--balance", "even", "--quiet", "--resnet50-image", "32"])
+    row = results["models"]["resnet50-traced"]["configs"][0]
+    assert {"torchpipe", "hand-written", "traced_vs_hand"} <= set(row)
+    assert "traced/hand time" in capsys.readouterr().out

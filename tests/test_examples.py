@@ -16,6 +16,9 @@ FLAGS: Dict[str, List[str]] = {
     "quickstart.py": ["--steps", "11"],
     "recomputation.py": ["--chunks", "3"],
     "skip_connections.py": ["--checkpoint", "always", "--chunks", "2"],
+    "resnet.py": ["--width", "4", "--image-size", "32", "--batch-size", "8", "--chunks", "2", "--steps", "2",
+                  "--balance-timeout", "0.1"],
+    "transformer.py": ["--layers", "3"],
 }
 
 
@@ -35,15 +38,19 @@ SIMPLE = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in ("train.p
 
 
 def test_the_documented_examples_exist() -> None:
-    assert set(SIMPLE) >= {"quickstart.py", "recomputation.py", "skip_connections.py", "balancing.py"}
+    assert set(SIMPLE) >= {"quickstart.py", "recomputation.py", "skip_connections.py", "balancing.py", "resnet.py",
+                           "transformer.py"}
 
 
 @pytest.mark.parametrize("script", SIMPLE)
 def test_example_runs(script: str) -> None:
     out = run(script, *FLAGS.get(script, []))
-    if script == "quickstart.py":
+    if script in ("quickstart.py", "transformer.py"):
         losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
         assert losses[-1] < losses[0]
+    if script == "resnet.py":
+        assert "the Sequential computes what the model computes: True" in out
+        assert "largest relative difference" in out
 
 
 def test_train_small_run(tmp_path: Path) -> None:

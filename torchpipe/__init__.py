@@ -12,6 +12,7 @@ from torchpipe.gpipe import GPipe
 from torchpipe.parallel import DataParallel, TupleParallel
 from torchpipe.partition import BalanceError
 from torchpipe.pipeline import Pipeline, PipelineError
+from torchpipe.sequential import as_sequential
 
 __all__ = [
     "__version__",
@@ -19,6 +20,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "BalanceError",
+    "as_sequential",
     "current_microbatch",
     "is_checkpointing",
     "is_recomputing",

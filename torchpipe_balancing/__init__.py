@@ -110,7 +110,7 @@ def _check(function: str, partitions: Any, module: Any, sample: Any, what: str) 
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"{function}() needs an nn.Sequential module, got {type(module).__name__}; "
-            "GPipe partitions a Sequential, so rewrite the model as one"
+            "GPipe partitions a Sequential: make the model one with torchpipe.as_sequential(model, example_input)"
         )
     if len(module) == 0:
         raise ValueError(f"{function}() got an empty nn.Sequential; there are no layers to balance")

@@ -10,24 +10,21 @@ first ``ReLU(inplace=True)`` works, as it does inside a pipeline) and the
 user's sample is never modified in place. Integer tensors (token ids) are
 cloned and passed as they are.
 
-[Note: skips in profiling] A ``torchpipe.skip`` layer that stashes a tensor
-with grad history hands a piece of its own graph to a later layer. Run layer
-by layer, with each layer's backward right after its forward, the stashing
-layer's backward frees that graph and the popping layer's backward then runs
-into it ("Trying to backward through the graph a second time"). So the
-profilers serve the layers' stash and pop requests themselves, the way the
-pipeline does across partitions: a stashed tensor joins the stashing layer's
-backward (with a gradient of ones, standing for the one the pop sends back),
-and the popping layer gets a detached leaf of it, so each layer's backward
-covers that layer alone. ``balance_by_size`` counts a stashed tensor in the
-stashing layer's activations (it is held from the stash to the pop), once
-per storage like every saved tensor.
+[Note: skips while profiling] Layers of :mod:`torchpipe.skip` (and those of
+``torchpipe.as_sequential``) hand tensors to later layers with stash and pop.
+Profiled one at a time, each layer runs under a :class:`_SkipTracker`: a popped
+tensor is a fresh input like the layer's own (so its backward stops there, as
+at a partition boundary), and a stashed tensor is a root of the stashing
+layer's backward, as it is in a pipeline, where the popping layer's gradient
+comes back to it. ``balance_by_size`` counts a stashed tensor in the stashing
+layer's activations (it is held from the stash to the pop), once per storage
+like every saved tensor.
 """
 import dataclasses
 import statistics
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -55,42 +52,44 @@ def _detached(batch: Any) -> Any:
     return map_structure(lambda x: x.detach() if isinstance(x, Tensor) else x, batch)
 
 
-class _ProfilingSkips:
-    """Serves stash and pop while the layers are profiled one by one (see [Note: skips in profiling]).
-
-    A tracker for ``torchpipe.skip`` (``save`` and ``load``), installed around
-    every layer call with :func:`torchpipe.context.task_context`. One per pass.
-    """
+class _SkipTracker:
+    """Serves stash and pop while layers are profiled one at a time (see [Note: skips while profiling])."""
 
     def __init__(self) -> None:
-        self.leaves: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
+        self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
+        #: What the layer being profiled stashed.
         self.stashed: List[Tensor] = []
 
     def save(self, layer: Any, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        if tensor is not None and tensor.requires_grad:
+        self.tensors[(ns, name)] = tensor
+        if tensor is not None:
             self.stashed.append(tensor)
-            tensor = tensor.detach().requires_grad_()
-        elif tensor is not None:
-            tensor = tensor.detach()
-        self.leaves[(ns, name)] = tensor
 
     def load(self, layer: Any, ns: Namespace, name: str) -> Optional[Tensor]:
         try:
-            return self.leaves[(ns, name)]
+            tensor = self.tensors.pop((ns, name))
         except KeyError:
             raise RuntimeError(
                 f"{type(layer).__name__} popped {name!r} ({ns}) but no earlier layer stashed it"
             ) from None
+        return None if tensor is None else cast(Tensor, _fresh_input(tensor))
 
-    def take_stashed(self) -> List[Tensor]:
-        """The tensors with grad history that the layer just run stashed (and forgets them)."""
-        stashed, self.stashed = self.stashed, []
-        return stashed
-
-    def run(self, layer: nn.Module, inputs: Any) -> Any:
-        """Calls ``layer`` on ``inputs`` with this tracker serving its stashes and pops."""
+    def run(self, layer: nn.Module, inputs: Any) -> Tuple[Any, List[Tensor]]:
+        """Runs ``layer`` on ``inputs``; returns its output and the tensors it stashed."""
+        self.stashed = []
         with task_context(None, skips=self):
-            return layer(inputs)
+            output = layer(inputs)
+        stashed, self.stashed = self.stashed, []
+        return output, stashed
+
+
+def _roots(output: Any, stashed: List[Tensor]) -> List[Tensor]:
+    """The tensors a layer's backward starts from: its outputs and what it stashed, each once."""
+    roots: Dict[int, Tensor] = {}
+    for t in list(tensors_of(output)) + stashed:
+        if t.requires_grad:
+            roots.setdefault(id(t), t)
+    return list(roots.values())
 
 
 def _synchronize(device: torch.device) -> None:
@@ -102,16 +101,16 @@ def _one_pass(layers: List[nn.Module], sample: Any, device: torch.device) -> Lis
     """Times forward and backward of every layer once; returns seconds per layer."""
     times: List[float] = []
     batch = sample
-    skips = _ProfilingSkips()
+    skips = _SkipTracker()
     for layer in layers:
         inputs = _fresh_input(batch)
         _synchronize(device)
         start = time.perf_counter()
-        output = skips.run(layer, inputs)
+        output, stashed = skips.run(layer, inputs)
         _synchronize(device)
         forward = time.perf_counter() - start
 
-        roots = [t for t in tensors_of(output) if t.requires_grad] + skips.take_stashed()
+        roots = _roots(output, stashed)
         grads = [torch.ones_like(t) for t in roots]
         _synchronize(device)
         start = time.perf_counter()
@@ -122,7 +121,7 @@ def _one_pass(layers: List[nn.Module], sample: Any, device: torch.device) -> Lis
 
         times.append(forward + backward)
         batch = _detached(output)
-        del inputs, output, roots, grads
+        del inputs, output, stashed, roots, grads
     return times
 
 
@@ -192,7 +191,7 @@ def _storage_bytes(t: Tensor) -> int:
 
 
 def _layer_size(
-    layer: nn.Module, inputs: Any, device: torch.device, skips: _ProfilingSkips
+    layer: nn.Module, inputs: Any, device: torch.device, skips: _SkipTracker
 ) -> Tuple[LayerSize, Any]:
     """Runs ``layer`` forward on ``inputs`` and measures it; returns the measurement and the output."""
     # Parameters and buffers are kept alive by the layer, not by the micro-batch.
@@ -216,15 +215,16 @@ def _layer_size(
     if cuda:
         # A throw-away forward first: lazy allocations that outlive it (the cuBLAS workspace,
         # cuDNN's) must not be mistaken for memory the graph keeps.
-        skips.run(layer, _fresh_input(inputs))
-        skips.take_stashed()
+        probe = _SkipTracker()
+        probe.tensors = dict(skips.tensors)
+        probe.run(layer, _fresh_input(inputs))
         torch.cuda.synchronize(device)
         allocated_before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        output = skips.run(layer, inputs)
-    for t in skips.take_stashed():  # held from the stash to the pop (see [Note: skips in profiling])
+        output, stashed = skips.run(layer, inputs)
+    for t in stashed:  # held from the stash to the pop: count it with the stashing layer, once per storage
         key = _storage_key(t)
         if key not in own:
             saved[key] = _storage_bytes(t)
@@ -268,7 +268,7 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int, de
     microbatch = split(input, chunks)[0]
     sizes: List[LayerSize] = []
     batch: Any = microbatch
-    skips = _ProfilingSkips()
+    skips = _SkipTracker()
     with torch.enable_grad():
         for layer in module:
             inputs = _fresh_input(batch)

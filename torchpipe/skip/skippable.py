@@ -10,6 +10,7 @@ skippable layers also run in a plain ``nn.Sequential``.
 """
 import sys
 from collections import abc
+from types import FrameType
 from typing import (
     Any,
     Callable,
@@ -32,7 +33,7 @@ from torchpipe.context import current
 from torchpipe.skip.namespace import DEFAULT, Namespace
 from torchpipe.skip.registry import PlainTracker, Tracker
 
-__all__ = ["skippable", "stash", "pop", "Skippable"]
+__all__ = ["skippable", "stash", "pop", "Skippable", "current_tracker"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -59,6 +60,19 @@ class pop:
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+def current_tracker(caller: Optional[FrameType] = None) -> Tracker:
+    """The tracker that serves stash and pop requests made now: the running pipeline task's, else a plain one.
+
+    Outside a pipeline, a layer's skips belong to its forward's caller ([Note: plain skips]): ``caller`` is
+    the frame that called the layer's ``forward`` (default: the caller of the function that asks, for a
+    layer whose ``forward`` calls this directly).
+    """
+    skips: Optional[Tracker] = current().skips
+    if skips is not None:
+        return skips
+    return PlainTracker(caller if caller is not None else sys._getframe(2))
 
 
 class Skippable(nn.Module):
@@ -98,8 +112,8 @@ class Skippable(nn.Module):
         """Runs a generator forward, serving its stash and pop requests; returns its return value."""
         if not isinstance(result, abc.Generator):
             return result
-        # Outside GPipe: sys._getframe(1) is forward(), whose caller may hold this forward's skips.
-        tracker: Tracker = current().skips or PlainTracker(sys._getframe(1).f_back)
+        # Outside a pipeline: sys._getframe(1) is forward(), whose caller may hold this forward's skips.
+        tracker = current_tracker(sys._getframe(1).f_back)
         reply: Optional[Tensor] = None
         try:
             while True:

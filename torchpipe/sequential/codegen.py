@@ -1,0 +1,144 @@
+"""Generating a layer's Python code from its fx graph: the layer's own ``forward``, skips included.
+
+fx writes the computation; :class:`_LayerCodeGen` writes around it what makes
+it a Sequential layer: the unpacking of its input, the pops (the function is
+then a generator that :class:`~torchpipe.skip.skippable.Skippable` drives),
+the stashes and what it returns. For ``layer1.0.bn3`` of a ResNet::
+
+    def forward(self, input):
+        layer1_0_conv3 = input if isinstance(input, torch.Tensor) else self._arguments(input)[0]
+        layer1_0_downsample_1 = yield _torchpipe_pop('layer1_0_downsample_1@9')
+        self_layer1_0__bn3 = self._modules['layer1']._modules['0']._modules['bn3']
+        ...
+        yield _torchpipe_stash('layer1_0_relu_2@15', layer1_0_relu_2)
+        return layer1_0_relu_2
+"""
+import hashlib
+import linecache
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+
+from torch import fx
+from torch.fx.graph import CodeGen
+
+from torchpipe.skip.skippable import current_tracker
+
+__all__ = ["compile_forward"]
+
+#: Names the generated code uses besides fx's (``torch`` is one of those); fx names values after
+#: operations, never like these.
+_GLOBALS = {"_torchpipe_tracker": current_tracker}
+
+
+class _LayerCodeGen(CodeGen):
+    """fx's code generator with a layer's calling convention (see the module docstring)."""
+
+    def __init__(
+        self, received: int, pops: Sequence[str], stashes: Sequence[str], carried: int, returns_tuple: bool
+    ) -> None:
+        super().__init__()
+        self.received = received
+        self.pops = list(pops)
+        self.stashes = list(stashes)
+        self.carried = carried
+        self.returns_tuple = returns_tuple
+
+    def gen_fn_def(self, free_vars: List[str], maybe_return_annotation: str, *args: Any, **kwargs: Any) -> str:
+        names = [v for v in free_vars if v != "self"]
+        received, popped = names[: self.received], names[self.received :]
+        lines = ["def forward(self, input):"]
+        if len(received) == 1:
+            lines.append(
+                f"    {received[0]} = input if isinstance(input, torch.Tensor) else self._arguments(input)[0]"
+            )
+        else:
+            lines.append(
+                f"    {', '.join(received)}, = input if type(input) is tuple and len(input) == {len(received)} "
+                "else self._arguments(input)"
+            )
+        if self.pops or self.stashes:
+            lines.append("    _torchpipe_skips = _torchpipe_tracker()")
+        for name, value in zip(self.pops, popped):
+            lines.append(f"    {value} = _torchpipe_skips.load(self, *self.namespaced({name!r}))")
+        return "\n".join(lines)
+
+    def generate_output(self, output_args: Any, *args: Any, **kwargs: Any) -> str:
+        values = [str(v) for v in output_args]
+        lines = [
+            f"_torchpipe_skips.save(self, *self.namespaced({name!r}), {value})"
+            for name, value in zip(self.stashes, values[self.carried :])
+        ]
+        passed = values[: self.carried]
+        if self.returns_tuple or len(passed) != 1:
+            lines.append(f"return ({', '.join(passed)}{',' if len(passed) == 1 else ''})")
+        else:
+            lines.append(f"return {passed[0]}")
+        return "\n".join(lines)
+
+    def additional_globals(self) -> List[Tuple[str, Any]]:
+        return list(_GLOBALS.items())
+
+
+def _attribute_path(base: str, target: str) -> str:
+    """How fx's code generator writes a qualified attribute of ``base`` (``getattr(self.layer1, "0").conv1``)."""
+    for atom in target.split("."):
+        base = f"{base}.{atom}" if atom.isidentifier() else f'getattr({base}, "{atom}")'
+    return base
+
+
+def _fast_module_calls(source: str, graph: fx.Graph, header: int) -> str:
+    """``source`` with each submodule looked up once per call through ``_modules``.
+
+    fx writes a submodule call as ``getattr(self.layer1, "0").conv1(x)``: one
+    ``nn.Module.__getattr__`` per name, about a microsecond each, which adds
+    up over the many small layers of a pipelined model. Reading ``_modules``
+    is twenty times faster and still finds a submodule replaced after the code
+    was made (``DeferredBatchNorm.convert`` does that). The lookups go after
+    the ``header`` lines that open the function. If fx writes calls in another
+    form, the source is returned as fx wrote it.
+    """
+    lines = source.strip("\n").split("\n")
+    if not lines[0].startswith("def forward(self, input):") or len(lines) <= header:
+        return source
+    body = "\n".join(lines[header:])
+    lookups: List[str] = []
+    used: Set[str] = set()
+    for target in sorted({str(node.target) for node in graph.nodes if node.op == "call_module"}):
+        alias = "self_" + "_".join(target.split("."))
+        while alias in used or alias in source:  # another module's alias, or a name fx chose
+            alias += "_"
+        used.add(alias)
+        call = _attribute_path("self", target) + "("
+        if not alias.isidentifier() or call not in body:
+            return source
+        body = body.replace(call, alias + "(")
+        lookups.append(f"    {alias} = self" + "".join(f"._modules[{atom!r}]" for atom in target.split(".")))
+    return "\n".join(line.rstrip() for line in lines[:header] + lookups + body.split("\n"))
+
+
+def compile_forward(
+    graph: fx.Graph,
+    name: str,
+    *,
+    received: int,
+    pops: Sequence[str],
+    stashes: Sequence[str],
+    carried: int,
+    returns_tuple: bool,
+) -> Tuple[str, Callable[..., Any]]:
+    """The ``forward(self, input)`` of layer ``name`` for ``graph``: its source and the function.
+
+    ``graph``'s placeholders are the received values, then the popped ones;
+    its output is a flat tuple: the values passed on (``carried`` of them, or
+    the module's output), then the stashed ones.
+    """
+    graph.set_codegen(_LayerCodeGen(received, pops, stashes, carried, returns_tuple))
+    python = graph.python_code(root_module="self")
+    header = 2 + (1 if pops or stashes else 0) + len(pops)
+    source = _fast_module_calls(python.src, graph, header).strip("\n") + "\n"
+    # Registered so that a traceback through a layer shows the generated line; named after the code, so
+    # that copies of a layer share one entry.
+    filename = f"<torchpipe.as_sequential layer {name} {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    scope: Dict[str, Any] = dict(python.globals)
+    exec(compile(source, filename, "exec"), scope)  # noqa: S102 - code generated from the graph
+    return source, scope["forward"]
