@@ -453,3 +453,17 @@ def test_custom_schedule_as_a_schedule_object() -> None:
     pipe = Pipeline(model_for(4), [2, 2], chunks=3, schedule=schedule, loss_fn=mse)
     assert isinstance(pipe.schedule, Schedule) and pipe.schedule == schedule
 
+
+
+def test_the_inputs_gradient_reaches_the_caller() -> None:
+    # As with loss.backward() on the plain module: into .grad of an input that requires grad, and through
+    # the graph of an input computed from another tensor.
+    model = model_for(4)
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, [2, 2], chunks=3, loss_fn=mse)
+    source = torch.randn(7, 6, requires_grad=True)
+    plain_source = source.detach().clone().requires_grad_()
+    y = torch.randn(7, 6)
+    pipe.step(source * 2, y)
+    mse(plain(plain_source * 2), y).backward()
+    assert source.grad is not None and torch.allclose(source.grad, plain_source.grad, atol=1e-6)

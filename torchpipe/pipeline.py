@@ -238,6 +238,7 @@ class Pipeline(nn.Module):
         )
         if training:
             self._runner.run(step)
+            step.backward_input((input,) if isinstance(input, Tensor) else tuple(input))
         else:
             self._runner.run_forward(step)
         losses = [loss for loss in step.losses if loss is not None]

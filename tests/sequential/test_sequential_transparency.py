@@ -49,7 +49,28 @@ def gpipe(seq: nn.Sequential, balance: List[int], chunks: int, checkpoint: str) 
     return step
 
 
-RUNNERS = [pytest.param(gpipe, id="gpipe")]
+def pipeline(schedule: str) -> Runner:
+    """A ``torchpipe.Pipeline`` runner: the loss (the sum of squares) computed per micro-batch, summed."""
+
+    def runner(seq: nn.Sequential, balance: List[int], chunks: int, checkpoint: str) -> Step:
+        stages = len(balance)
+        devices = ["cpu"] * (stages // 2) if schedule == "interleaved_1f1b" else None
+        model = torchpipe.Pipeline(seq, balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                                   loss_fn=loss_of, loss_reduction="sum", devices=devices)
+
+        def step(input: Any) -> Tuple[Optional[Any], Tensor]:
+            return None, model.step(input)
+
+        return step
+
+    return runner
+
+
+RUNNERS = [
+    pytest.param(gpipe, id="gpipe"),
+    pytest.param(pipeline("1f1b"), id="pipeline-1f1b"),
+    pytest.param(pipeline("zero_bubble"), id="pipeline-zero_bubble"),
+]
 
 
 def padding_mask(batch: int, length: int) -> Tensor:

@@ -60,12 +60,14 @@ def run_step(
     rank = channel.rank
     first, last = runner.stage_workers[0], runner.stage_workers[-1]
     batches: List[Optional[Batch]]
+    inputs: Tuple[Tensor, ...] = ()
     if rank == first:
         try:
             if input is None:
                 raise ValueError(f"rank {rank} runs the first stage: it must pass the mini-batch's input")
             microbatch.check_input(input)
             input = transfer.move(input, devices[0])
+            inputs = (input,) if isinstance(input, Tensor) else tuple(input)
             split = microbatch.scatter(input, chunks)
         except BaseException as exc:
             channel.fail(sequence, f"rank {rank} could not split its input: {type(exc).__name__}: {exc}")
@@ -114,6 +116,8 @@ def run_step(
             value = float(sum(float(v) for v in losses))
             channel.publish(sequence, "loss", [value])
         channel.done(sequence)
+        if training and inputs:
+            step.backward_input(inputs)
     except (PipelineError, Aborted) as exc:
         transport.fail()
         if isinstance(exc, Aborted):

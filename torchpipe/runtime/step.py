@@ -138,6 +138,29 @@ class Step:
         assert not missing, f"micro-batches {missing} produced no output"
         return [r for r in results if r is not None]
 
+    def backward_input(self, tensors: Sequence[Tensor]) -> None:
+        """Hands the gradients of the step's input ``tensors`` (a Pipeline's) to the caller's graph.
+
+        Joined over micro-batches, they go into ``tensors`` as ``loss.backward()``
+        would send them: into ``.grad`` of a leaf, and on through the graph of
+        a tensor computed from others.
+        """
+        roots, grads = [], []
+        for k, tensor in enumerate(tensors):
+            if not tensor.requires_grad:
+                continue
+            parts = [None if g is None else g[k] for g in self.input_grads]
+            if all(p is None for p in parts):
+                continue
+            pieces = torch.empty(tensor.shape, device="meta").chunk(len(parts)) if tensor.dim() else [tensor]
+            filled = [p if p is not None else torch.zeros(c.shape, dtype=tensor.dtype, device=tensor.device)
+                      for p, c in zip(parts, pieces)]
+            roots.append(tensor)
+            grads.append(torch.cat(filled) if len(filled) > 1 else filled[0])
+        self.input_grads = [None] * self.microbatches
+        if roots:
+            torch.autograd.backward(roots, grads)
+
     def accumulate(self, stage: int, grads: Sequence[Optional[Tensor]]) -> None:
         """Adds one micro-batch's gradients of ``stage``'s parameters to the step's sums (GPipe), where needed."""
         assert self.param_grads is not None and self.needed is not None
