@@ -168,4 +168,8 @@ class Step:
         for k, (grad, needed) in enumerate(zip(grads, self.needed[stage])):
             if grad is None or not needed:
                 continue
-            sums[k] = grad if sums[k] is None else torch.add(sums[k], grad)  # type: ignore[arg-type]
+            total = sums[k]
+            if total is None:
+                sums[k] = grad  # the backward made it for us alone: later ones add into it in place
+            else:
+                total.add_(grad)
