@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import common, models  # noqa: E402
 
-MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all"]
+MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed"]
 
 
 def has(module: str) -> bool:
@@ -163,3 +163,25 @@ def test_speed_runs_the_traced_resnet50(capsys: pytest.CaptureFixture[str]) -> N
     row = results["models"]["resnet50-traced"]["configs"][0]
     assert {"torchpipe", "hand-written", "traced_vs_hand"} <= set(row)
     assert "traced/hand time" in capsys.readouterr().out
+
+
+def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import schedules
+
+    tiny_mlp = schedules.mlp(layers=4, width=8)
+    monkeypatch.setattr(schedules, "workload", lambda name: (schedules.mlp(4, 8), torch.randn(16, 8),
+                                                             torch.randn(16, 8)))
+    for _, schedule, stages in schedules.CONFIGS:
+        pipe, x, y = schedules.pipeline("mlp", schedule, stages, 4)
+        schedules.pipe_step(pipe, x, y)()
+        simulated, idle = schedules.timeline_figures(pipe, x, y)
+        assert 0.0 <= simulated < 1.0 and 0.0 <= idle < 1.0
+    schedules.by_hand_step("mlp", 4)()
+    assert len(list(tiny_mlp.parameters())) == 8
+
+
+def test_the_distributed_benchmark_builds_both_libraries_stages() -> None:
+    from benchmarks import distributed
+
+    assert [library for library, _ in distributed.CONFIGS] == ["torchpipe"] * 2 + ["pipelining"] * 2
+    assert len(distributed.mlp()) == 2 * distributed.LAYERS
