@@ -1,4 +1,5 @@
-# The two commands of the README: `make run` (a pipelined training run) and `make test`.
+# The commands of the README: `make run` (a pipelined training run), `make test`, and
+# `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun).
 # Each creates .venv and installs what it needs on its own.
 #
 # TORCH is the PyTorch requirement installed into the virtualenv. The default is the
@@ -9,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchpipe-installed
 
-.PHONY: run test lint typecheck unit bench docs clean
+.PHONY: run run-distributed test lint typecheck unit bench docs clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +21,10 @@ $(STAMP): setup.py pyproject.toml
 
 run: $(STAMP)
 	$(PY) examples/train.py
+
+# A Pipeline over two processes on this host (gloo on CPU, NCCL on GPUs): see docs/distributed.md.
+run-distributed: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_distributed.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check torchpipe torchpipe_balancing tests benchmarks examples

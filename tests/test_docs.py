@@ -101,6 +101,8 @@ def test_code_block_runs(block: Block) -> None:
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     output: List[str] = []
     runner.run(test, out=output.append, clear_globs=False)
+    # DocTest runs on a copy of the namespace: what the block defined is the page's, as for ```python blocks.
+    namespace.update(test.globs)
     assert runner.failures == 0, "".join(output)
 
 

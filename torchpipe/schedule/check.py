@@ -190,7 +190,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
 
     Example::
 
-        >>> from torchpipe.schedule import gpipe, simulate
+        >>> from torchpipe.schedule import Kind, gpipe, simulate
         >>> round(simulate(gpipe(8, 4), {Kind.FORWARD: 1, Kind.BACKWARD: 1}).bubble, 4)  # (p-1)/(m+p-1)
         0.2727
     """

@@ -2,10 +2,11 @@
 
 A :class:`Tracker` serves the stash and pop requests of skippable layers.
 Outside GPipe, a :class:`PlainTracker` keeps them with the forward that made
-them (see [Note: plain skips]). Inside GPipe the runner installs a tracker per
-(micro-batch, partition) task (see ``torchpipe.runner``) that keeps them in the
-step's :class:`SkipRegistry`, keyed by micro-batch, namespace and name, and
-moves them between partitions.
+them (see [Note: plain skips]). Inside a pipeline each (stage, micro-batch)
+task runs with a tracker of its own (``StageSkips``, in
+:mod:`torchpipe.skip.tracker`) that keeps them in the step's
+:class:`SkipRegistry`, keyed by micro-batch, namespace and name, and sends
+them between stages.
 
 [Note: plain skips] In a plain forward (no GPipe) a pop must see the stashes
 of its own forward and nothing else: not one left behind by an earlier
