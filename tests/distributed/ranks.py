@@ -221,3 +221,31 @@ def mismatched_modes(rank: int, world: int) -> str:
     except (PipelineError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+class SlowStore:
+    """A store whose ``check`` answers late: a rank that polls with it is still polling after the others are done."""
+
+    def __init__(self, store: Any, delay: float) -> None:
+        self.store, self.delay = store, delay
+
+    def check(self, keys: List[str]) -> bool:
+        time.sleep(self.delay)
+        return bool(self.store.check(keys))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def host_leaves_first(rank: int, world: int) -> float:
+    """One step, then the process ends; every rank but 0 (the store's host) looks at the store slowly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(world)])
+    pipe = Pipeline(model, [1] * world, chunks=2, loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    channel = pipe._channel
+    assert channel is not None
+    if rank != 0:
+        channel.store = SlowStore(channel.store, 0.3)
+    x = torch.randn(4, 6)
+    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    return float(loss)

@@ -89,3 +89,12 @@ def test_the_example_runs_under_torchrun(tmp_path: Path) -> None:
                           start_new_session=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "loss" in done.stdout and (tmp_path / "timeline.json").exists()
+
+
+def test_a_step_ends_well_when_the_store_host_exits_first() -> None:
+    # Story: rank 0 hosts the torch.distributed store. It saw every rank's "done" and returned from its last
+    # step, and the job's end took the store down while ranks 2 and 3 still polled it for the step's end:
+    # their step failed with "Connection reset by peer" although it had succeeded. Rank 0 now waits until
+    # every rank is through with the store for the step. Here the other ranks poll it slowly, on purpose.
+    losses = ok(launch("tests.distributed.ranks:host_leaves_first", 3))
+    assert losses[0] == losses[1] == losses[2]

@@ -40,6 +40,8 @@ __all__ = ["Channel", "PipelineError", "POLL_SECONDS"]
 
 #: How often a waiting rank looks at the store for a failure.
 POLL_SECONDS = 0.02
+#: How long rank 0 waits for the other ranks to be through with the store after a step (see [Note: leaving the store]).
+_LEAVE_SECONDS = 10.0
 
 _instances: Dict[Tuple[int, ...], "itertools.count[int]"] = {}
 _instances_lock = threading.Lock()
@@ -100,7 +102,8 @@ class Channel:
         self.sequence += 1
         old = self.sequence - 3
         if old > 0:  # forget old steps' keys (this rank's own)
-            for key in (f"start/{old}", f"loss/{old}", f"failed/{old}", f"done/{old}/{self.rank}"):
+            for key in (f"start/{old}", f"loss/{old}", f"failed/{old}", f"done/{old}/{self.rank}",
+                        f"left/{old}/{self.rank}"):
                 try:
                     self.store.delete_key(key)
                 except RuntimeError:  # pragma: no cover - a store without delete: keys stay
@@ -160,10 +163,48 @@ class Channel:
         """The values published under ``key`` for step ``sequence``, once they are there (or a failure)."""
         name = f"{key}/{sequence}"
         self._wait(sequence, [name])
-        text = bytes(self.store.get(name)).decode("ascii")
-        return [float.fromhex(v) for v in text.split()]
+        return _parse(self.store.get(name))
 
-    def done(self, sequence: int) -> None:
-        """Marks this rank's step over and waits until every rank's is (raising if one failed meanwhile)."""
+    def done(self, sequence: int, read: Sequence[str] = ()) -> Dict[str, List[float]]:
+        """Marks this rank's step over and waits until every rank's is (raising if one failed meanwhile).
+
+        Returns the values published under the keys ``read``, read before this
+        rank is through with the store for the step (see [Note: leaving the store]).
+        """
         self.store.set(f"done/{sequence}/{self.rank}", "1")
-        self._wait(sequence, [f"done/{sequence}/{r}" for r in range(self.size)])
+        names = [f"{key}/{sequence}" for key in read]
+        self._wait(sequence, [f"done/{sequence}/{r}" for r in range(self.size)] + names)
+        try:
+            values = {key: _parse(self.store.get(name)) for key, name in zip(read, names)}
+        except RuntimeError as exc:
+            raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
+        self._leave(sequence)
+        return values
+
+    def _leave(self, sequence: int) -> None:
+        # [Note: leaving the store]
+        # The store lives in the process of global rank 0 (init_method tcp:// or env://; under torchrun,
+        # in the agent). A rank that leaves its last step and exits takes the store with it: a rank still
+        # polling for the step's last keys would then fail a step that succeeded. So every other rank
+        # says when it has read all it needs of the step, and rank 0 waits for that before it returns.
+        # A rank that dies in between is not waited for long: the step itself succeeded, and the next
+        # one will find the dead rank.
+        if self.rank != 0:
+            self.store.set(f"left/{sequence}/{self.rank}", "1")
+            return
+        keys = [f"left/{sequence}/{r}" for r in range(1, self.size)]
+        deadline = time.monotonic() + _LEAVE_SECONDS
+        pause = 0.0002
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check(keys):
+                    return
+            except RuntimeError:  # pragma: no cover - rank 0 hosts the store: it is there
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+
+def _parse(value: Any) -> List[float]:
+    """Values as :meth:`Channel.publish` wrote them."""
+    return [float.fromhex(v) for v in bytes(value).decode("ascii").split()]

@@ -115,7 +115,7 @@ def run_step(
             losses = [value for value in step.losses if value is not None]
             value = float(sum(float(v) for v in losses))
             channel.publish(sequence, "loss", [value])
-        channel.done(sequence)
+        published = channel.done(sequence, read=["loss"] if step_loss is not None else [])
         if training and inputs:
             step.backward_input(inputs)
     except (PipelineError, Aborted) as exc:
@@ -130,7 +130,7 @@ def run_step(
         raise
     result: Optional[Tensor] = None
     if step_loss is not None:
-        (value,) = channel.wait_for(sequence, "loss")
+        (value,) = published["loss"]
         dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
         result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
