@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 
 WORLD = 2
 LAYERS = 16
@@ -45,14 +45,6 @@ CHUNKS = 8
 CONFIGS = [("torchpipe", "gpipe"), ("torchpipe", "1f1b"), ("pipelining", "ScheduleGPipe"),
            ("pipelining", "Schedule1F1B")]
 GOALS = {256: 1.3, 1024: 1.5}
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: List[nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers)
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -64,7 +56,7 @@ class Runner:
 
     def __init__(self, library: str, schedule: str, rank: int) -> None:
         self.rank = rank
-        model = mlp()
+        model = models.mlp(LAYERS, WIDTH)
         half = len(model) // 2
         if library == "torchpipe":
             import torchpipe
@@ -107,7 +99,7 @@ def rank_main(rank: int, library: str, schedule: str, batch: int, rounds: int, o
     runner = Runner(library, schedule, rank)
     runner.step(x, y)
     first_step = time.time() - spawned
-    plain = mlp()
+    plain = models.mlp(LAYERS, WIDTH)
 
     def plain_step() -> None:
         loss_fn(plain(x), y).backward()
@@ -140,8 +132,8 @@ def rank_main(rank: int, library: str, schedule: str, batch: int, rounds: int, o
     dist.destroy_process_group()
 
 
-def measure(library: str, schedule: str, batch: int, rounds: int) -> Dict[str, Any]:
-    """Starts 2 ranks for one configuration; rank 0's figures."""
+def measure(library: str, schedule: str, batch: int, rounds: int, timeout: float = 600.0) -> Dict[str, Any]:
+    """Starts 2 ranks for one configuration; rank 0's figures (the ranks are killed after ``timeout`` s)."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
@@ -157,8 +149,9 @@ def measure(library: str, schedule: str, batch: int, rounds: int) -> Dict[str, A
                 cwd=common.ROOT, env=env, start_new_session=True,
             ))
         try:
+            deadline = time.monotonic() + timeout
             for child in children:
-                if child.wait(timeout=600) != 0:
+                if child.wait(timeout=max(0.1, deadline - time.monotonic())) != 0:
                     raise RuntimeError(f"{library} {schedule} batch {batch}: a rank exited with {child.returncode}")
         finally:
             for child in children:

@@ -74,6 +74,15 @@ def _check_preset(preset: str) -> None:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
+def mlp(layers: int = 32, width: int = 512) -> nn.Sequential:
+    """``layers`` Linear+ReLU pairs of ``width`` features (seed 0): the overhead and schedule benchmarks' MLP."""
+    torch.manual_seed(0)
+    modules: List[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*modules)
+
+
 def conv_bn_relu(cin: int, cout: int, kernel: int = 3, stride: int = 1) -> nn.Sequential:
     return nn.Sequential(
         nn.Conv2d(cin, cout, kernel, stride, padding=kernel // 2, bias=False),

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import torchpipe  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 
 CONFIGS: List[Tuple[str, List[int], int, str]] = [
     ("1 partition, chunks=1, never", [32 * 2], 1, "never"),
@@ -30,14 +30,6 @@ CONFIGS: List[Tuple[str, List[int], int, str]] = [
     ("2 partitions, chunks=8, except_last", [32, 32], 8, "except_last"),
 ]
 GOALS = {0: 1.02, 1: 1.10, 2: 0.70, 3: 0.90}
-
-
-def mlp(layers: int = 32, width: int = 512) -> nn.Sequential:
-    torch.manual_seed(0)
-    modules: List[nn.Module] = []
-    for _ in range(layers):
-        modules += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*modules)
 
 
 def train_step(model: nn.Module, x: torch.Tensor) -> common.Step:
@@ -59,7 +51,7 @@ def ratio(plain: common.Step, other: common.Step, rounds: int, warmup: int = 2) 
 
 
 def build(kind: str, balance: List[int], chunks: int, checkpoint: str) -> Optional[nn.Module]:
-    model = mlp()
+    model = models.mlp()
     devices = ["cpu"] * len(balance)
     if kind == "torchpipe":
         return torchpipe.GPipe(model, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
@@ -78,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.randn(args.batch, 512)
-    plain = train_step(mlp(), x)
+    plain = train_step(models.mlp(), x)
     print(f"machine: {common.machine_description()}; {torch.get_num_threads()} intra-op thread")
     results: Dict[str, Dict[str, float]] = {}
     header = f"{'configuration':40s} {'torchpipe':>10s} {'goal':>6s} {'torchgpipe':>11s}"

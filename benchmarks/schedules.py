@@ -47,19 +47,11 @@ TIME_GOAL = 0.70
 MEMORY_GOAL = 0.5
 
 
-def mlp(layers: int = 32, width: int = 512) -> nn.Sequential:
-    torch.manual_seed(0)
-    modules: List[nn.Module] = []
-    for _ in range(layers):
-        modules += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*modules)
-
-
 def workload(name: str) -> Tuple[nn.Sequential, Tensor, Tensor]:
     """(the Sequential, an input batch, a target of the output's shape)."""
     torch.manual_seed(0)
     if name == "mlp":
-        return mlp(), torch.randn(1024, 512), torch.randn(1024, 512)
+        return models.mlp(), torch.randn(1024, 512), torch.randn(1024, 512)
     if name == "unet":
         built = models.unet("small", "skip")
         assert isinstance(built.module, nn.Sequential)

@@ -176,7 +176,7 @@ def _untyped_storage(t: Tensor) -> Optional[torch.UntypedStorage]:
     """The tensor's storage, or None for tensors that have none (sparse, nested, wrapper subclasses)."""
     try:
         return t.untyped_storage()
-    except RuntimeError:  # what torch raises for a tensor without one storage (NotImplementedError too)
+    except RuntimeError:  # what torch raises for a tensor without one storage (its subclasses too)
         return None
 
 
