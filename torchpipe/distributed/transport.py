@@ -127,12 +127,17 @@ class DistributedTransport:
     def aborted(self) -> bool:
         if self._aborted:
             return True
+        self._poll_failure()
+        return self._aborted
+
+    def _poll_failure(self) -> None:
+        """Looks in the store for another rank's failure, at most every ``POLL_SECONDS`` (a look costs a round
+        trip to the store, too much for every action or message)."""
         now = time.monotonic()
-        if now - self._last_poll >= POLL_SECONDS:  # between actions: has another rank failed?
+        if now - self._last_poll >= POLL_SECONDS:
             self._last_poll = now
             if self.channel.failure(self.sequence) is not None:
                 self._aborted = True
-        return self._aborted
 
     def send(self, edge: Edge, message: Message) -> None:
         peer = self.stage_workers[edge.target]
@@ -181,8 +186,8 @@ class DistributedTransport:
                 if self._aborted:
                     raise Aborted(f"another action of the step failed while this one waited for the {edge}")
                 self._cond.wait(POLL_SECONDS)
-                if self.channel.failure(self.sequence) is not None:
-                    self._aborted = True
+                self._poll_failure()
+                if self._aborted:
                     self.channel.raise_failure(self.sequence)
 
     def abort(self) -> None:
