@@ -249,3 +249,72 @@ def host_leaves_first(rank: int, world: int) -> float:
     x = torch.randn(4, 6)
     loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     return float(loss)
+
+
+@skippable(stash=["skip"])
+class MaybeStash(nn.Module):
+    """Stashes its output, unless ``skip_stash`` is set (then popping it is a RuntimeError)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.skip_stash = False
+
+    def forward(self, x: Tensor) -> Any:
+        y = self.linear(x)
+        if not self.skip_stash:
+            yield stash("skip", y)
+        return torch.tanh(y)
+
+
+class MaskOf(nn.Module):
+    """Passes ``x`` on with a mask of the dtype in ``dtype``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtype = torch.int64
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return x, (x > 0).to(self.dtype)
+
+
+def layouts_change(rank: int, world: int) -> List[str]:
+    """Messages whose layout changes between steps: batch sizes, a mask's dtype, a skip not stashed (a failed
+    step), then the first layout again. Every successful step's loss and gradients equal the plain module's."""
+    torch.manual_seed(0)
+    layers: List[nn.Module] = [MaybeStash(), MaskOf(), UseMask(), Pop()]
+    model = nn.Sequential(*layers)
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, [2, 2], chunks=3, loss_fn=mse, group=dist.group.WORLD)
+    held = dict(pipe.named_parameters())
+    problems: List[str] = []
+    for step, (batch, dtype, stashes) in enumerate([
+        (8, torch.int64, True), (5, torch.int64, True), (8, torch.int32, True), (8, torch.int32, False),
+        (7, torch.int64, True), (8, torch.int64, True),
+    ]):
+        for m in (model, plain):
+            m[0].skip_stash = not stashes
+            m[1].dtype = dtype
+        torch.manual_seed(step)
+        x, y = torch.randn(batch, 6), torch.randn(batch, 6)
+        pipe.zero_grad()
+        plain.zero_grad()
+        try:
+            loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+        except (RuntimeError, PipelineError) as exc:
+            if stashes:
+                problems.append(f"step {step}: {type(exc).__name__}: {exc}")
+            elif "skip" not in str(exc):
+                problems.append(f"step {step} failed for another reason than the missing stash: {exc}")
+            continue
+        if not stashes:
+            problems.append(f"step {step}: popping a skip that was not stashed did not fail")
+            continue
+        expected = mse(plain(x), y)
+        expected.backward()
+        if not torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"step {step}: loss {loss.item()} != {expected.item()}")
+        for name, param in plain.named_parameters():
+            if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
+                problems.append(f"step {step}: gradient of {name} differs")
+    return problems

@@ -98,3 +98,11 @@ def test_a_step_ends_well_when_the_store_host_exits_first() -> None:
     # every rank is through with the store for the step. Here the other ranks poll it slowly, on purpose.
     losses = ok(launch("tests.distributed.ranks:host_leaves_first", 3))
     assert losses[0] == losses[1] == losses[2]
+
+
+def test_messages_whose_layout_changes_between_steps_are_received_whole() -> None:
+    # Each end of a pair remembers every message's last layout, and the receiver posts receives of that
+    # layout before the header comes. When it changed (batch size, an uneven micro-batch, a mask's dtype,
+    # a skip not stashed), the header says so and the message must still arrive whole, into buffers of the
+    # new layout, with the next steps' memories in step on both ends, also after a failed step.
+    assert ok(launch("tests.distributed.ranks:layouts_change", 2)) == [[], []]

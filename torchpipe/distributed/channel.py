@@ -96,6 +96,9 @@ class Channel:
         else:
             self.data = self.control
         self.sequence = 0
+        #: The layout of each message the last time it crossed, by (source rank, target rank, edge) (see
+        #: [Note: expected layouts] in torchpipe/distributed/transport.py).
+        self.layouts: Dict[Tuple[int, int, Any], Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]] = {}
 
     def next_sequence(self) -> int:
         """The number of the next step (or other collective call) of this pipeline; the same on every rank."""

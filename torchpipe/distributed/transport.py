@@ -11,10 +11,23 @@ the stage's action takes it. Each message has tags of its own (its position
 in the pair's order), and both sides issue a pair's operations in the same
 order, as NCCL needs.
 
+[Note: expected layouts] Waiting for a header before posting the receives
+of its tensors would cost every message a second trip between the ranks. So
+both ends of a pair remember, per message (the edge), the layout (dtype and
+shape of each tensor) it had the last time it crossed, and the receiver posts
+the tensors' receives of that layout together with the header's. The header
+still says what the message really is: when the layout changed (another
+batch size, an uneven last micro-batch, a skip not stashed this time), the
+sender first sends tensors of the remembered layout, which the receiver
+drops, then the real ones, which it receives into new buffers of the
+header's layout. A stale shape is never used; both ends update their memory
+from the same message, so they stay in step.
+
 [Note: abort messages] When a rank's step fails (or it learns from the store
 that another rank's did), it sends each peer, in place of the next message it
-owed it, a header that says "abort". The peer's receiving thread, waiting for
-exactly that message, ends; everything sent before was received. So after a
+owed it, a header that says "abort" (with tensors of that message's
+remembered layout, which the peer posted receives for). The peer's receiving
+thread, waiting for exactly that message, ends; everything sent before was received. So after a
 failure seen by every rank no receive is left pending, and the pipeline's
 process groups are as good as new for the next step. Only a rank that died
 leaves its connections closed: its peers' receives fail at once (that is how
@@ -22,7 +35,7 @@ its death is noticed), and the job has to be restarted.
 """
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -69,8 +82,24 @@ def message_orders(schedule: Schedule, layout: SkipLayout) -> Dict[Tuple[int, in
     return orders
 
 
+#: A message's layout: the dtype and shape of each tensor it carries (absent ones left out).
+_Layout = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
+
+
+def _layout(tensors: Sequence[Tensor]) -> _Layout:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def _wait_all(posted: List[Tuple[Tensor, Any]]) -> List[Tensor]:
+    """The buffers of ``posted`` receives, once they are all received."""
+    for _, work in posted:
+        work.wait()
+    return [tensor for tensor, _ in posted]
+
+
 class _PeerFailed:
-    """Left in the mailbox by a receiving thread whose peer failed or died."""
+    """Left in the mailbox by a receiving thread whose peer failed or died (``died``: the failure is news, to
+    record in the store; else the peer recorded it)."""
 
     def __init__(self, message: str, died: bool) -> None:
         self.message = message
@@ -155,14 +184,32 @@ class DistributedTransport:
         else:
             header = wire.encode(wire.Kind.DATA, tensors, message.requires_grad, message.atomic)
         present = [t for t in tensors if t is not None]
+        layout = _layout(present)
+        key = (self.rank, peer, edge)
         with trace.span("copy", edge.source, edge.microbatch) if present else trace.NOTHING:
             try:
-                works = [self.channel.control.send([header], peer, self._tag(k, 0))]
-                for tensor in present:
-                    works.append(self.channel.data.send([tensor], peer, self._tag(k, 1)))
+                works, kept = self._post_send(
+                    peer, k, header, self.channel.layouts.get(key, ()), layout, present, self.devices[edge.source]
+                )
             except RuntimeError as exc:
                 self._peer_died(peer, f"sent its {edge}", exc)
-        self._pending.append((peer, works, [header, *present]))
+        self.channel.layouts[key] = layout
+        self._pending.append((peer, works, kept))
+
+    def _post_send(
+        self, peer: int, k: int, header: Tensor, expected: "_Layout", layout: "_Layout", tensors: List[Tensor],
+        device: torch.device,
+    ) -> Tuple[List[Any], List[Tensor]]:
+        """Sends message ``k``'s header and tensors to ``peer`` (see [Note: expected layouts]); the works, and
+        the tensors to keep alive until they end."""
+        sent = [header]
+        works = [self.channel.control.send([header], peer, self._tag(k, 0))]
+        if layout != expected:  # the peer posted receives of the old layout: fill them first
+            sent += [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in expected]
+        sent += tensors
+        for tensor in sent[1:]:
+            works.append(self.channel.data.send([tensor], peer, self._tag(k, 1)))
+        return works, sent
 
     def _peer_died(self, peer: int, doing: str, error: BaseException) -> None:
         """Records that ``peer``'s connection failed and raises :class:`PipelineError`."""
@@ -220,9 +267,13 @@ class DistributedTransport:
             k = self._sent[peer]
             if k < len(edges):
                 self._sent[peer] = len(edges)
-                header = wire.encode(wire.Kind.ABORT)
+                edge = edges[k]
+                expected = self.channel.layouts.get((self.rank, peer, edge), ())
                 try:
-                    self._pending.append((peer, [self.channel.control.send([header], peer, self._tag(k, 0))], [header]))
+                    works, kept = self._post_send(
+                        peer, k, wire.encode(wire.Kind.ABORT), expected, (), [], self.devices[edge.source]
+                    )
+                    self._pending.append((peer, works, kept))
                 except RuntimeError:  # the peer died: it expects nothing any more
                     pass
         deadline = time.monotonic() + 10.0
@@ -247,34 +298,47 @@ class DistributedTransport:
             torch.cuda.set_device(self.devices[0])  # this thread's current device, for NCCL's receives
         try:
             for k, edge in enumerate(edges):
+                key = (peer, self.rank, edge)
+                device = self.devices[edge.target]
                 header = torch.empty(wire.HEADER_LENGTH, dtype=torch.int64)
-                self.channel.control.recv([header], peer, self._tag(k, 0)).wait()
+                header_work = self.channel.control.recv([header], peer, self._tag(k, 0))
+                expected = self.channel.layouts.get(key, ())
+                guessed = self._post_receives(peer, k, expected, device)
+                header_work.wait()
                 decoded = wire.decode(header)
+                present = [(dtype, shape) for dtype, _, shape in filter(None, decoded.tensors)]
+                layout = tuple(present) if decoded.kind is not wire.Kind.ABORT else expected
+                received = _wait_all(guessed)
+                if layout != expected:  # what came were fillers (see [Note: expected layouts])
+                    received = _wait_all(self._post_receives(peer, k, layout, device))
                 if decoded.kind is wire.Kind.ABORT:
                     self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
                     return
+                self.channel.layouts[key] = layout
                 if decoded.kind is wire.Kind.NOT_STASHED:
                     self._put(edge, Message([], (), True))
                     continue
-                device = self.devices[edge.target]
-                tensors: List[Optional[Tensor]] = []
-                flags: List[bool] = []
-                for meta in decoded.tensors:
-                    if meta is None:
-                        tensors.append(None)
-                        flags.append(False)
-                        continue
-                    dtype, requires_grad, shape = meta
-                    tensor = torch.empty(shape, dtype=dtype, device=device)
-                    self.channel.data.recv([tensor], peer, self._tag(k, 1)).wait()
-                    tensors.append(tensor)
-                    flags.append(requires_grad)
-                self._put(edge, Message(tensors, tuple(flags), decoded.atomic))
+                values = iter(received)
+                tensors = [None if meta is None else next(values) for meta in decoded.tensors]
+                flags = tuple(meta is not None and meta[1] for meta in decoded.tensors)
+                self._put(edge, Message(tensors, flags, decoded.atomic))
         except RuntimeError as exc:
             self._put_failure(_PeerFailed(
                 f"rank {peer} died or closed its connection while rank {self.rank} waited for its "
                 f"{edges[0].kind.value if edges else 'messages'}: {exc}", died=True,
             ))
+        except ValueError as exc:  # a header that is not one: the ranks run different schedules
+            self._put_failure(_PeerFailed(f"rank {self.rank}, receiving from rank {peer}: {exc}", died=True))
+
+    def _post_receives(
+        self, peer: int, k: int, layout: "_Layout", device: torch.device
+    ) -> List[Tuple[Tensor, Any]]:
+        """Posts the receives of message ``k``'s tensors, of ``layout``; each buffer with its work."""
+        posted = []
+        for dtype, shape in layout:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            posted.append((tensor, self.channel.data.recv([tensor], peer, self._tag(k, 1))))
+        return posted
 
     def _put(self, edge: Edge, message: Message) -> None:
         with self._cond:

@@ -4,9 +4,11 @@ Every message names everything its receiver needs to allocate and rebuild it:
 the number of tensors, and for each whether it is present, its dtype, whether
 the receiving leaf needs grad, and its shape; whether the stage output was a
 single tensor; and the message's kind (data, a skip that was not stashed, or
-an abort). Nothing is inferred from an earlier step or micro-batch, so a
-shorter sequence or an uneven last micro-batch can never be received into a
-stale buffer.
+an abort). The receiver may guess the layout from the message's last
+crossing to post its receives early, but the header always says what the
+message is, so a shorter sequence or an uneven last micro-batch can never be
+received into a stale buffer (see [Note: expected layouts] in
+``distributed/transport.py``).
 """
 import enum
 from typing import List, Optional, Sequence, Tuple
