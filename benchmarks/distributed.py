@@ -7,7 +7,9 @@ rank 0's process with one thread while rank 1 waits. The model is a 16-layer
 For each configuration the plain step and the pipelined step alternate in
 rounds (barriers between them), and the speed-up is the median over rounds of
 ``plain step time / pipelined step time``. Also: the time from starting the
-processes to the end of the first step, per library.
+processes to the end of the first step, per library, and the fixed cost of a
+step (a 2x8 MLP, batch 8: the messages of 8 micro-batches with next to no
+computing).
 
 Configurations: torchpipe ``gpipe`` and ``1f1b``; ``torch.distributed.pipelining``'s
 ``ScheduleGPipe`` and ``Schedule1F1B`` (its stages take the same halves of the model).
@@ -45,6 +47,8 @@ CHUNKS = 8
 CONFIGS = [("torchpipe", "gpipe"), ("torchpipe", "1f1b"), ("pipelining", "ScheduleGPipe"),
            ("pipelining", "Schedule1F1B")]
 GOALS = {256: 1.3, 1024: 1.5}
+#: The model and batch that measure what a step costs by itself.
+FIXED_LAYERS, FIXED_WIDTH, FIXED_BATCH = 2, 8, 8
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -54,9 +58,9 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
 class Runner:
     """One library's pipelined training step on this rank."""
 
-    def __init__(self, library: str, schedule: str, rank: int) -> None:
+    def __init__(self, library: str, schedule: str, rank: int, layers: int, width: int) -> None:
         self.rank = rank
-        model = models.mlp(LAYERS, WIDTH)
+        model = models.mlp(layers, width)
         half = len(model) // 2
         if library == "torchpipe":
             import torchpipe
@@ -91,15 +95,18 @@ class Runner:
             p.grad = None
 
 
-def rank_main(rank: int, library: str, schedule: str, batch: int, rounds: int, out: str, spawned: float) -> None:
+def rank_main(
+    rank: int, library: str, schedule: str, batch: int, rounds: int, out: str, spawned: float,
+    layers: int = LAYERS, width: int = WIDTH,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
     torch.manual_seed(1)
-    x, y = torch.randn(batch, WIDTH), torch.randn(batch, WIDTH)
-    runner = Runner(library, schedule, rank)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    runner = Runner(library, schedule, rank, layers, width)
     runner.step(x, y)
     first_step = time.time() - spawned
-    plain = models.mlp(LAYERS, WIDTH)
+    plain = models.mlp(layers, width)
 
     def plain_step() -> None:
         loss_fn(plain(x), y).backward()
@@ -132,7 +139,10 @@ def rank_main(rank: int, library: str, schedule: str, batch: int, rounds: int, o
     dist.destroy_process_group()
 
 
-def measure(library: str, schedule: str, batch: int, rounds: int, timeout: float = 600.0) -> Dict[str, Any]:
+def measure(
+    library: str, schedule: str, batch: int, rounds: int, timeout: float = 600.0, layers: int = LAYERS,
+    width: int = WIDTH,
+) -> Dict[str, Any]:
     """Starts 2 ranks for one configuration; rank 0's figures (the ranks are killed after ``timeout`` s)."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as folder:
@@ -145,7 +155,8 @@ def measure(library: str, schedule: str, batch: int, rounds: int, timeout: float
             env["PYTHONPATH"] = os.pathsep.join(paths)
             children.append(subprocess.Popen(
                 [sys.executable, __file__, "--rank", str(rank), "--library", library, "--schedule", schedule,
-                 "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned)],
+                 "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned),
+                 "--layers", str(layers), "--width", str(width)],
                 cwd=common.ROOT, env=env, start_new_session=True,
             ))
         try:
@@ -179,9 +190,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=LAYERS, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank, args.library, args.schedule, args.batch, args.rounds, args.out, args.spawned)
+        rank_main(args.rank, args.library, args.schedule, args.batch, args.rounds, args.out, args.spawned,
+                  args.layers, args.width)
         return
     print(f"machine: {common.machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
     print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}")
@@ -200,6 +214,17 @@ def main() -> None:
     print(common.format_table(
         ["configuration", "batch", "speed-up vs plain", "goal", "step ms", "plain ms", "start to 1st step s"], rows))
     print("(speed-up: median over rounds of plain step time / pipelined step time, measured alternately)")
+    print()
+    # The cost of a step itself: messages, threads, control; the model computes next to nothing.
+    fixed: List[List[Any]] = []
+    for library, schedule in CONFIGS:
+        result = measure(library, schedule, FIXED_BATCH, max(args.rounds, 30), layers=FIXED_LAYERS,
+                         width=FIXED_WIDTH)
+        results[f"{library} {schedule} fixed cost"] = result
+        fixed.append([f"{library} {schedule}", result["pipe_ms"]])
+    print(common.format_table(["configuration", "fixed cost of a step, ms"], fixed))
+    print(f"(median step time of a {FIXED_LAYERS}x{FIXED_WIDTH} MLP, batch {FIXED_BATCH}, chunks {CHUNKS}: "
+          f"{CHUNKS} micro-batches cross each way with next to no computing)")
     if args.json:
         common.save_json(args.json, {"results": results, "goals": GOALS})
 
