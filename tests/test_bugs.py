@@ -8,6 +8,7 @@ import multiprocessing
 import signal
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -548,6 +549,20 @@ def test_to_a_tensors_device_is_denied() -> None:
         model.to(tensor=torch.zeros(1))
     model.to(torch.float64)
     assert model[0].weight.dtype == torch.float64
+
+
+def test_each_denied_move_raises_its_own_error() -> None:
+    # GPipe and Pipeline raised one module-level TypeError instance: every raise chained a traceback onto the
+    # last, so the error held the frames (and their tensors) of every earlier denied call.
+    model = cpu_gpipe(mlp(1, 2), [1, 1])
+    errors = []
+    for _ in range(3):
+        with pytest.raises(TypeError, match="denied to move the partitions of a GPipe") as info:
+            model.cpu()
+        errors.append(info.value)
+    assert errors[0] is not errors[1] is not errors[2]
+    depths = [len(traceback.extract_tb(error.__traceback__)) for error in errors]
+    assert depths[0] == depths[1] == depths[2]
 
 
 def test_an_empty_batch_gives_an_empty_output() -> None:

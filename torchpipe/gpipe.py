@@ -8,7 +8,15 @@ from torchpipe import microbatch, transfer
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.microbatch import Batch
-from torchpipe.partition import BalanceError, resolve_devices, split_module, verify_balance, verify_module
+from torchpipe.partition import (
+    BalanceError,
+    moving_denied,
+    names_a_device,
+    resolve_devices,
+    split_module,
+    verify_balance,
+    verify_module,
+)
 from torchpipe.runtime import Runner, Step
 from torchpipe.runtime.boundary import is_differentiable
 from torchpipe.runtime.function import Layout, PipelineFunction
@@ -18,11 +26,6 @@ from torchpipe.state_dict import PlainKeys
 from torchpipe.types import Device, TensorOrTensors
 
 __all__ = ["GPipe", "BalanceError"]
-
-MOVING_DENIED = TypeError(
-    "denied to move the partitions of a GPipe: they are placed on their devices by GPipe; "
-    "choose devices with GPipe(..., devices=[...]) (g.to(dtype) works)"
-)
 
 
 class GPipe(nn.Module):
@@ -134,17 +137,14 @@ class GPipe(nn.Module):
     # --- moving is GPipe's job -----------------------------------------------------------------
 
     def cuda(self, device: Optional[Union[int, torch.device]] = None) -> "GPipe":
-        raise MOVING_DENIED
+        raise moving_denied("GPipe", "partitions", "g")
 
     def cpu(self) -> "GPipe":
-        raise MOVING_DENIED
+        raise moving_denied("GPipe", "partitions", "g")
 
     def to(self, *args: Any, **kwargs: Any) -> "GPipe":
-        # Anything naming a device (a device, a string, an index, a tensor to match) is denied.
-        if any(isinstance(a, (torch.device, str, int, Tensor)) for a in args) or any(
-            kwargs.get(k) is not None for k in ("device", "tensor")
-        ):
-            raise MOVING_DENIED
+        if names_a_device(args, kwargs):
+            raise moving_denied("GPipe", "partitions", "g")
         super().to(*args, **kwargs)
         return self
 

@@ -2,15 +2,18 @@
 import numbers
 import warnings
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from torchpipe.stream import as_device
 from torchpipe.types import Device
 
-__all__ = ["BalanceError", "verify_module", "verify_balance", "resolve_devices", "cut", "place", "split_module"]
+__all__ = [
+    "BalanceError", "verify_module", "verify_balance", "resolve_devices", "cut", "place", "split_module",
+    "names_a_device", "moving_denied",
+]
 
 
 class BalanceError(ValueError):
@@ -169,3 +172,19 @@ def split_module(
     stages = [place(stage, device) for stage, device in zip(cut(module, balance), devices)]
     offsets = [sum(balance[:j]) for j in range(len(balance))]
     return nn.ModuleList(stages), offsets
+
+
+def names_a_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``Module.to(*args, **kwargs)`` names a device: a device, a string, an index, or a tensor to match."""
+    return any(isinstance(a, (torch.device, str, int, Tensor)) for a in args) or any(
+        kwargs.get(k) is not None for k in ("device", "tensor")
+    )
+
+
+def moving_denied(owner: str, parts: str, handle: str) -> TypeError:
+    """The error of moving a pipeline's ``parts`` by hand (a new one per raise: a raised instance keeps its
+    traceback, and with it the frames it was raised from)."""
+    return TypeError(
+        f"denied to move the {parts} of a {owner}: they are placed on their devices by {owner}; "
+        f"choose devices with {owner}(..., devices=[...]) ({handle}.to(dtype) works)"
+    )

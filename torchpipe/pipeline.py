@@ -13,7 +13,15 @@ from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.state import gather_bytes, gather_state
 from torchpipe.distributed.step import run_step
-from torchpipe.partition import cut, place, resolve_devices, verify_balance, verify_module
+from torchpipe.partition import (
+    cut,
+    moving_denied,
+    names_a_device,
+    place,
+    resolve_devices,
+    verify_balance,
+    verify_module,
+)
 from torchpipe.runtime import Loss, Runner, Step, weight_grad
 from torchpipe.schedule import NAMES, ActionLike, Kind, Schedule, build, validate
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
@@ -286,16 +294,14 @@ class Pipeline(nn.Module):
     # --- moving and state -----------------------------------------------------------------------------
 
     def cuda(self, device: Optional[Union[int, torch.device]] = None) -> "Pipeline":
-        raise _MOVING_DENIED
+        raise moving_denied("Pipeline", "stages", "pipe")
 
     def cpu(self) -> "Pipeline":
-        raise _MOVING_DENIED
+        raise moving_denied("Pipeline", "stages", "pipe")
 
     def to(self, *args: Any, **kwargs: Any) -> "Pipeline":
-        if any(isinstance(a, (torch.device, str, int, Tensor)) for a in args) or any(
-            kwargs.get(k) is not None for k in ("device", "tensor")
-        ):
-            raise _MOVING_DENIED
+        if names_a_device(args, kwargs):
+            raise moving_denied("Pipeline", "stages", "pipe")
         super().to(*args, **kwargs)
         return self
 
@@ -343,10 +349,6 @@ class Pipeline(nn.Module):
         )
 
 
-_MOVING_DENIED = TypeError(
-    "denied to move the stages of a Pipeline: they are placed on their devices by Pipeline; "
-    "choose devices with Pipeline(..., devices=[...]) (pipe.to(dtype) works)"
-)
 
 
 def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:
