@@ -1,7 +1,10 @@
 """Small layers and model builders shared by the tests."""
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
+import torch
 from torch import Tensor, nn
+
+from torchpipe.skip import Namespace, pop, skippable, stash
 
 
 class Fork(nn.Module):
@@ -73,3 +76,103 @@ def mlp(layers: int = 4, width: int = 8) -> nn.Sequential:
     for _ in range(layers):
         modules += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*modules)
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    """Stashes ``linear(x)`` as ``'skip'`` (unless ``stashes`` is off: then popping it is an error)."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.stashes = True
+
+    def forward(self, x: Tensor) -> Any:
+        y = self.linear(x)
+        if self.stashes:
+            yield stash("skip", y)
+        return torch.tanh(y)
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    """Pops ``'skip'``: ``linear(x) * skip``."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("skip")
+        return self.linear(x) * skip
+
+
+class WithMask(nn.Module):
+    """x -> (x, an integer mask that needs no grad, of ``dtype``) riding along to the next stage."""
+
+    def __init__(self, dtype: torch.dtype = torch.int64) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return x, (x > 0).to(self.dtype)
+
+
+class UseMask(nn.Module):
+    """(x, mask) -> linear(x) * mask + x."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+        x, mask = pair
+        return self.linear(x) * mask.to(x.dtype) + x
+
+
+def skippable_unet(depth: int = 3, width: int = 4, *, stash_output: bool = False) -> nn.Sequential:
+    """A U-Net of Linear layers: each encoder stashes, its decoder pops and concatenates, in reverse order
+    (nested long skips). ``stash_output``: encoders stash their output, a tensor with grad history, instead of
+    their input."""
+
+    @skippable(stash=["skip"])
+    class Down(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x: Tensor) -> Any:
+            if not stash_output:
+                yield stash("skip", x)
+                return torch.relu(self.linear(x))
+            y = torch.relu(self.linear(x))
+            yield stash("skip", y)
+            return y * 2
+
+    @skippable(pop=["skip"])
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2 * width, width)
+
+        def forward(self, x: Tensor) -> Any:
+            skip = yield pop("skip")
+            return torch.relu(self.linear(torch.cat([x, skip], dim=1)))
+
+    namespaces = [Namespace() for _ in range(depth)]
+    layers: List[nn.Module] = [Down().isolate(ns) for ns in namespaces]
+    layers.append(nn.Linear(width, width))
+    layers += [Up().isolate(ns) for ns in reversed(namespaces)]
+    return nn.Sequential(*layers)
+
+
+class RaisesInBackward(torch.autograd.Function):
+    """The identity, whose backward raises ``ArithmeticError('backward failed')``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise ArithmeticError("backward failed")

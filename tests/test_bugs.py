@@ -171,12 +171,15 @@ def test_a_declared_stash_not_made_is_a_runtime_error_everywhere(balance: List[i
     model = nn.Sequential(MaybeStash(), nn.Identity(), PopSkip())
     piped = cpu_gpipe(model, balance, chunks=2)
     piped(torch.randn(4, 2))  # in training it is stashed
+    # Now the layer itself says so, as in torchgpipe (issue 15), in the pipeline and outside.
     piped.eval()
-    with pytest.raises(RuntimeError, match="PopSkip popped 'skip'.*no earlier layer stashed it"):
+    with pytest.raises(RuntimeError, match="MaybeStash must stash 'skip'"):
         piped(torch.randn(4, 2))
     model.eval()
-    with pytest.raises(RuntimeError, match="PopSkip popped 'skip'"):  # the plain module says the same
+    with pytest.raises(RuntimeError, match="MaybeStash must stash 'skip'"):  # the plain module says the same
         model(torch.randn(4, 2))
+    piped.train()
+    piped(torch.randn(4, 2))  # and the next step works
 
 
 @pytest.mark.timeout(60)
@@ -283,7 +286,10 @@ def test_an_in_place_layer_at_a_partition_cut_gets_right_gradients(
     expected = plain(x_plain)
     expected.sum().backward()
     assert torch.allclose(out, expected)
-    assert torch.equal(x, x_plain), "the input was modified a different number of times"
+    # The input was modified exactly once, as by the plain module. Not bit for bit: the in-place layer ran on
+    # 2-row micro-batches here and on the 6-row batch there, and vectorised kernels (AVX2) round those
+    # differently. A second application (ELU of ELU) would be far outside the tolerance.
+    assert torch.allclose(x, x_plain, rtol=1e-6, atol=1e-7), "the input was modified a different number of times"
     for got, want in zip(grads_of(piped), grads_of(plain)):
         assert torch.allclose(got, want, atol=1e-6)
 

@@ -10,36 +10,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from tests import models
+from tests.models import Pop, Stash
 from torchpipe import GPipe
 from torchpipe.parallel import DataParallel
 from torchpipe.parallel.collate import per_output
 from torchpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchpipe.skip.namespace import DEFAULT
 from torchpipe_balancing import balance_by_size, balance_by_time
-
-
-@skippable(stash=["skip"])
-class Stash(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        y = self.linear(x)
-        yield stash("skip", y)
-        return y.tanh()
-
-
-@skippable(pop=["skip"])
-class Pop(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        skip = yield pop("skip")
-        return self.linear(x) * skip
-
 
 # --- torchgpipe 0.0.7 compatibility of torchpipe.skip (issue item 17) ---------------------------------
 
@@ -55,7 +33,7 @@ def test_namespace_copies_are_equal_to_it() -> None:
     assert Namespace() != ns and ns != DEFAULT
     assert ns != "not a namespace"
 
-    stash_layer, pop_layer = Stash().isolate(ns), Pop().isolate(ns)
+    stash_layer, pop_layer = Stash(4).isolate(ns), Pop(4).isolate(ns)
     copied = nn.Sequential(copy.deepcopy(stash_layer), nn.Linear(4, 4), copy.deepcopy(pop_layer))
     verify_skippables(copied)
     pickled = pickle.loads(pickle.dumps(nn.Sequential(stash_layer, nn.Linear(4, 4), pop_layer)))
@@ -67,7 +45,7 @@ def test_deepcopied_model_with_isolated_namespaces_still_verifies_and_routes() -
     each skip to its own pop inside GPipe, with the outputs of the original."""
     ns1, ns2 = Namespace(), Namespace()
     model = nn.Sequential(
-        Stash().isolate(ns1), Stash().isolate(ns2), nn.Linear(4, 4), Pop().isolate(ns2), Pop().isolate(ns1)
+        Stash(4).isolate(ns1), Stash(4).isolate(ns2), nn.Linear(4, 4), Pop(4).isolate(ns2), Pop(4).isolate(ns1)
     )
     copied = copy.deepcopy(model)
     verify_skippables(copied)
@@ -146,14 +124,14 @@ def test_pop_after_a_forward_that_raised_does_not_get_its_stash() -> None:
     tensor of another batch, silently. A pop sees only the stashes of its own forward."""
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="boom"):
-        nn.Sequential(Stash(), Boom(), Pop())(x)
+        nn.Sequential(Stash(4), Boom(), Pop(4))(x)
     with pytest.raises(RuntimeError, match=r"Pop popped 'skip' .*no layer stashed it earlier in this forward"):
-        nn.Sequential(nn.Linear(4, 4), Pop())(x)
+        nn.Sequential(nn.Linear(4, 4), Pop(4))(x)
 
     # A stash left unpopped by a forward that returned is not seen either.
-    nn.Sequential(Stash(), nn.Linear(4, 4))(x)
+    nn.Sequential(Stash(4), nn.Linear(4, 4))(x)
     with pytest.raises(RuntimeError, match="no layer stashed it"):
-        nn.Sequential(nn.Linear(4, 4), Pop())(x)
+        nn.Sequential(nn.Linear(4, 4), Pop(4))(x)
 
 
 def test_leftover_stashes_are_freed_when_their_forward_ends() -> None:
@@ -164,7 +142,7 @@ def test_leftover_stashes_are_freed_when_their_forward_ends() -> None:
         refs: List[weakref.ref[Tensor]] = []
         x = torch.randn(2, 4)
         try:
-            nn.Sequential(Recorded(refs), Boom(), Pop())(x)
+            nn.Sequential(Recorded(refs), Boom(), Pop(4))(x)
         except ValueError:
             pass
         assert refs[-1]() is None, "the stash of a forward that raised outlived it"
@@ -173,7 +151,7 @@ def test_leftover_stashes_are_freed_when_their_forward_ends() -> None:
         assert refs[-1]() is None, "a stash never popped outlived its forward"
 
         with pytest.raises(ValueError) as info:
-            nn.Sequential(Recorded(refs), Boom(), Pop())(x)
+            nn.Sequential(Recorded(refs), Boom(), Pop(4))(x)
         assert refs[-1]() is not None  # the traceback keeps the forward's frames, as any local
         del info
         assert refs[-1]() is None
@@ -186,7 +164,7 @@ def test_skips_still_work_by_hand_nested_and_in_data_parallel_replicas() -> None
     script's top level), a stash inside a nested Sequential popped by the outer one, and DataParallel
     replicas that run the model on worker threads."""
     x = torch.randn(4, 4)
-    stash_layer, pop_layer = Stash(), Pop()
+    stash_layer, pop_layer = Stash(4), Pop(4)
     y = stash_layer.linear(x)
     expected = pop_layer.linear(y.tanh()) * y
 
@@ -201,7 +179,7 @@ def test_skips_still_work_by_hand_nested_and_in_data_parallel_replicas() -> None
     nested = nn.Sequential(nn.Sequential(stash_layer, nn.Identity()), pop_layer)
     torch.testing.assert_close(nested(x), expected)
 
-    model = nn.Sequential(Stash(), nn.Linear(4, 4), Pop())
+    model = nn.Sequential(Stash(4), nn.Linear(4, 4), Pop(4))
     plain = copy.deepcopy(model)
     x = torch.randn(6, 4)
     torch.testing.assert_close(DataParallel(model, ["cpu", "cpu", "cpu"])(x), plain(x))
@@ -211,35 +189,9 @@ def test_skips_still_work_by_hand_nested_and_in_data_parallel_replicas() -> None
 # --- balancing skippable models (issue item 15) ----------------------------------------------------------
 
 
-def skippable_unet(depth: int = 3, width: int = 8) -> nn.Sequential:
-    """A U-Net-like model: each encoder stashes a tensor with grad history, its decoder pops it."""
-
-    @skippable(stash=["skip"])
-    class Down(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(width, width)
-
-        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-            y = torch.relu(self.linear(x))
-            yield stash("skip", y)
-            return y * 2
-
-    @skippable(pop=["skip"])
-    class Up(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(2 * width, width)
-
-        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-            skip = yield pop("skip")
-            return torch.relu(self.linear(torch.cat([x, skip], dim=1)))
-
-    namespaces = [Namespace() for _ in range(depth)]
-    layers: List[nn.Module] = [Down().isolate(ns) for ns in namespaces]
-    layers.append(nn.Linear(width, width))
-    layers += [Up().isolate(ns) for ns in reversed(namespaces)]
-    return nn.Sequential(*layers)
+def skippable_unet(depth: int = 3) -> nn.Sequential:
+    """Each encoder stashes its output, a tensor with grad history; its decoder pops it."""
+    return models.skippable_unet(depth, width=8, stash_output=True)
 
 
 def test_balance_by_time_on_a_skippable_unet() -> None:

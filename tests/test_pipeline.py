@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchpipe
+from tests.models import Pop, RaisesInBackward, Stash, UseMask, WithMask
 from torchpipe import Pipeline, trace
 from torchpipe.schedule import Schedule
-from torchpipe.skip import pop, skippable, stash
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 MODES = ["never", "always", "except_last"]
@@ -22,46 +22,6 @@ MODES = ["never", "always", "except_last"]
 def mse(output: Any, target: Tensor) -> Tensor:
     out = output[0] if isinstance(output, tuple) else output
     return nn.functional.mse_loss(out, target)
-
-
-@skippable(stash=["skip"])
-class Stash(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Any:
-        y = self.linear(x)
-        yield stash("skip", y)
-        return torch.tanh(y)
-
-
-@skippable(pop=["skip"])
-class Pop(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Any:
-        skip = yield pop("skip")
-        return self.linear(x) * skip
-
-
-class WithMask(nn.Module):
-    """x -> (x, an integer mask that needs no grad) riding along to the next stage."""
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        return x, (x > 0).long()
-
-
-class UseMask(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
-        x, mask = pair
-        return self.linear(x) * mask.to(x.dtype) + x
 
 
 def model_for(
@@ -344,16 +304,6 @@ def test_1f1b_bounds_live_activations_by_the_stages_gpipe_by_the_chunks(stages: 
 # --- failures -----------------------------------------------------------------------------------------------
 
 
-class Fails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise ArithmeticError("backward failed")
-
-
 class Switch(nn.Module):
     """Raises in its forward, recomputation or backward while ``where`` says so."""
 
@@ -367,7 +317,7 @@ class Switch(nn.Module):
         if self.where == "recompute" and torchpipe.is_recomputing():
             raise OSError("recomputation failed")
         if self.where == "backward":
-            return Fails.apply(x)  # type: ignore[no-any-return]
+            return RaisesInBackward.apply(x)  # type: ignore[no-any-return]
         return x
 
 

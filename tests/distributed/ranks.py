@@ -2,53 +2,15 @@
 import copy
 import os
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 import torchpipe
+from tests.models import Pop, Stash, UseMask, WithMask
 from torchpipe import Pipeline, PipelineError
-from torchpipe.skip import pop, skippable, stash
-
-
-@skippable(stash=["skip"])
-class Stash(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
-
-    def forward(self, x: Tensor) -> Any:
-        y = self.linear(x)
-        yield stash("skip", y)
-        return torch.tanh(y)
-
-
-@skippable(pop=["skip"])
-class Pop(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
-
-    def forward(self, x: Tensor) -> Any:
-        skip = yield pop("skip")
-        return self.linear(x) + skip
-
-
-class WithMask(nn.Module):
-    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        return x, (x > 0).long()
-
-
-class UseMask(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
-
-    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
-        x, mask = pair
-        return self.linear(x) * mask.to(x.dtype) + x
 
 
 def model_for(stages: int) -> nn.Sequential:
@@ -251,38 +213,11 @@ def host_leaves_first(rank: int, world: int) -> float:
     return float(loss)
 
 
-@skippable(stash=["skip"])
-class MaybeStash(nn.Module):
-    """Stashes its output, unless ``skip_stash`` is set (then popping it is a RuntimeError)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
-        self.skip_stash = False
-
-    def forward(self, x: Tensor) -> Any:
-        y = self.linear(x)
-        if not self.skip_stash:
-            yield stash("skip", y)
-        return torch.tanh(y)
-
-
-class MaskOf(nn.Module):
-    """Passes ``x`` on with a mask of the dtype in ``dtype``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dtype = torch.int64
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        return x, (x > 0).to(self.dtype)
-
-
 def layouts_change(rank: int, world: int) -> List[str]:
     """Messages whose layout changes between steps: batch sizes, a mask's dtype, a skip not stashed (a failed
     step), then the first layout again. Every successful step's loss and gradients equal the plain module's."""
     torch.manual_seed(0)
-    layers: List[nn.Module] = [MaybeStash(), MaskOf(), UseMask(), Pop()]
+    layers: List[nn.Module] = [Stash(), WithMask(), UseMask(), Pop()]
     model = nn.Sequential(*layers)
     plain = copy.deepcopy(model)
     pipe = Pipeline(model, [2, 2], chunks=3, loss_fn=mse, group=dist.group.WORLD)
@@ -293,7 +228,7 @@ def layouts_change(rank: int, world: int) -> List[str]:
         (7, torch.int64, True), (8, torch.int64, True),
     ]):
         for m in (model, plain):
-            m[0].skip_stash = not stashes
+            m[0].stashes = stashes
             m[1].dtype = dtype
         torch.manual_seed(step)
         x, y = torch.randn(batch, 6), torch.randn(batch, 6)

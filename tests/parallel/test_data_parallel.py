@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from tests.models import RaisesInBackward
 from torchpipe.parallel import DataParallel
 
 CUDA = torch.cuda.is_available()
@@ -266,22 +267,13 @@ def test_exception_in_a_replica_reaches_the_caller_and_the_wrapper_recovers() ->
 
 
 def test_exception_in_a_replica_backward_reaches_the_caller() -> None:
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Tensor) -> Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: Tensor) -> Tensor:
-            raise ArithmeticError("backward failed")
-
     class Module(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.linear = nn.Linear(2, 2)
 
         def forward(self, x: Tensor) -> Tensor:
-            return Boom.apply(self.linear(x))  # type: ignore[no-any-return, no-untyped-call]
+            return RaisesInBackward.apply(self.linear(x))  # type: ignore[no-any-return, no-untyped-call]
 
     dp = DataParallel(Module(), cpus(2))
     with pytest.raises(ArithmeticError, match="backward failed"):

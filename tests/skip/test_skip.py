@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchpipe
+from tests.models import skippable_unet
 from torchpipe import GPipe
 from torchpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchpipe.transfer import record_transfers
@@ -235,42 +236,62 @@ def test_undeclared_names_and_bad_yields_are_clear_errors() -> None:
         skippable(stash="skip")  # type: ignore[arg-type]
 
 
+
+@skippable(stash=["foo"])
+class StashesFoo(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("foo", x)
+        return x * 2
+
+
+@skippable(pop=["foo"])
+class PopsFoo(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        foo = yield pop("foo")
+        return x + foo
+
+
+@pytest.mark.parametrize("generator", [True, False])
+@pytest.mark.parametrize("where", ["alone", "plain", "gpipe"])
+def test_a_declared_skip_a_forward_leaves_unused_is_a_runtime_error(where: str, generator: bool) -> None:
+    # Issue 15: torchgpipe (and fairscale's ported suite) raise "'foo' must be stashed but have not" when a
+    # layer declared @skippable(stash=['foo']) returns without stashing it, and likewise for pop; torchpipe
+    # said nothing outside a pipeline. The layer itself raises now, naming itself and the skip, also when
+    # its forward is not a generator at all, alone, in a plain Sequential and in a GPipe.
+    @skippable(stash=["foo"])
+    class Keeps(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            if generator:
+                yield from ()
+            return x * 2
+
+    @skippable(pop=["foo"])
+    class Takes(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            if generator:
+                yield from ()
+            return x * 3
+
+    x = torch.ones(4, 2)
+    cases = [(Keeps(), nn.Sequential(Keeps(), PopsFoo()), "Keeps must stash 'foo'"),
+             (Takes(), nn.Sequential(StashesFoo(), Takes()), "Takes must pop 'foo'")]
+    for layer, model, message in cases:
+        run = {"alone": layer, "plain": model, "gpipe": GPipe(model, [1, 1], devices=["cpu", "cpu"], chunks=2)}
+        with pytest.raises(RuntimeError, match=message):
+            run[where](x)
+    # Doing what it declares, each works, alone and in a pipeline.
+    model = nn.Sequential(StashesFoo(), PopsFoo())
+    torch.testing.assert_close(GPipe(model, [1, 1], devices=["cpu", "cpu"], chunks=2)(x), x * 3)
+    torch.testing.assert_close(StashesFoo()(x), x * 2)
+
+
 # --- U-Net ---------------------------------------------------------------------------------------
-
-
-def unet(depth: int = 3, width: int = 4) -> nn.Sequential:
-    """Encoders stash, decoders pop in reverse: several nested long skips."""
-    @skippable(stash=["skip"])
-    class Down(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(width, width)
-
-        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-            yield stash("skip", x)
-            return torch.relu(self.linear(x))
-
-    @skippable(pop=["skip"])
-    class Up(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(2 * width, width)
-
-        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-            skip = yield pop("skip")
-            return torch.relu(self.linear(torch.cat([x, skip], dim=1)))
-
-    namespaces = [Namespace() for _ in range(depth)]
-    layers: List[nn.Module] = [Down().isolate(ns) for ns in namespaces]
-    layers.append(nn.Linear(width, width))
-    layers += [Up().isolate(ns) for ns in reversed(namespaces)]
-    return nn.Sequential(*layers)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("balance", [[1, 1, 1, 1, 1, 1, 1], [2, 3, 2], [3, 1, 3], [7]])
 def test_unet_is_transparent(checkpoint: str, balance: List[int]) -> None:
-    assert_transparent(unet(), balance, chunks=3, checkpoint=checkpoint, batch=7)
+    assert_transparent(skippable_unet(), balance, chunks=3, checkpoint=checkpoint, batch=7)
 
 
 # --- no leak -------------------------------------------------------------------------------------

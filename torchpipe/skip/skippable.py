@@ -20,6 +20,7 @@ from typing import (
     Iterable,
     List,
     Optional,
+    Set,
     Tuple,
     Type,
     TypeVar,
@@ -109,12 +110,20 @@ class Skippable(nn.Module):
         return [self.namespaced(n) for n in sorted(self.poppable_names)]
 
     def _drive(self, result: Any) -> Any:
-        """Runs a generator forward, serving its stash and pop requests; returns its return value."""
+        """Runs a generator forward, serving its stash and pop requests; returns its return value.
+
+        Raises:
+            RuntimeError: the forward stashed or popped a name it does not declare, or returned without
+                stashing (popping) a name it declares, as torchgpipe's skippable layers do.
+        """
         if not isinstance(result, abc.Generator):
+            self._check_all_used(set(), set())
             return result
         # Outside a pipeline: sys._getframe(1) is forward(), whose caller may hold this forward's skips.
         tracker = current_tracker(sys._getframe(1).f_back)
         reply: Optional[Tensor] = None
+        stashed: Set[str] = set()
+        popped: Set[str] = set()
         try:
             while True:
                 request = result.send(reply)
@@ -126,6 +135,7 @@ class Skippable(nn.Module):
                             f"add it to @skippable(stash=[...])"
                         )
                     tracker.save(self, *self.namespaced(request.name), request.tensor)
+                    stashed.add(request.name)
                 elif isinstance(request, pop):
                     if request.name not in self.poppable_names:
                         raise RuntimeError(
@@ -133,13 +143,28 @@ class Skippable(nn.Module):
                             f"add it to @skippable(pop=[...])"
                         )
                     reply = tracker.load(self, *self.namespaced(request.name))
+                    popped.add(request.name)
                 else:
                     raise TypeError(
                         f"{type(self).__name__}.forward yielded {type(request).__name__}; a skippable "
                         "forward yields only stash(name, tensor) or pop(name)"
                     )
         except StopIteration as stop:
+            self._check_all_used(stashed, popped)
             return stop.value
+
+    def _check_all_used(self, stashed: Set[str], popped: Set[str]) -> None:
+        """Every declared skip must be stashed (popped) by each forward, as in torchgpipe: a layer that skips
+        one sometimes would leave the layer at the other end without it, or with a stale one."""
+        problems = [
+            f"stash {name!r} ({self.namespaced(name)[0]})" for name in sorted(self.stashable_names - stashed)
+        ] + [f"pop {name!r} ({self.namespaced(name)[0]})" for name in sorted(self.poppable_names - popped)]
+        if problems:
+            raise RuntimeError(
+                f"{type(self).__name__} must {' and '.join(problems)} in every forward, as its @skippable "
+                "declares, but this forward returned without doing so; stash (or pop) it every time (stash None "
+                "when there is nothing to hand over), or declare it on a layer that always does"
+            )
 
 
 S = TypeVar("S", bound=Skippable)
