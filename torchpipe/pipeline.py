@@ -1,13 +1,13 @@
 """The Pipeline module: a training step that owns the loss, so that it can run any schedule."""
 import datetime
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchpipe import microbatch, trace, transfer
+from torchpipe import microbatch, trace
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.distributed.channel import Channel, PipelineError
@@ -22,16 +22,16 @@ from torchpipe.partition import (
     verify_balance,
     verify_module,
 )
-from torchpipe.runtime import Loss, Runner, Step, weight_grad
-from torchpipe.schedule import NAMES, ActionLike, Kind, Schedule, build, validate
+from torchpipe.runtime import Runner, local, weight_grad
+from torchpipe.schedule import Schedule
+from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
 from torchpipe.types import Device, TensorOrTensors
 
 __all__ = ["Pipeline", "PipelineError"]
 
-#: What ``schedule=`` takes: a name, a :class:`~torchpipe.schedule.Schedule`, or one list of actions per worker.
-ScheduleLike = Union[str, Schedule, Sequence[Sequence[ActionLike]]]
+
 
 
 class Pipeline(nn.Module):
@@ -121,7 +121,12 @@ class Pipeline(nn.Module):
         ranks = None
         if group is not None and dist.is_available() and dist.is_initialized():
             ranks = dist.get_world_size(group)
-        plan, workers = _schedule(schedule, chunks, len(balance), devices, ranks)
+        if schedule == "zero_bubble" and not weight_grad.supported():
+            raise ValueError(
+                f"zero_bubble needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
+                "upgrade PyTorch or choose '1f1b'"
+            )
+        plan, workers = resolve(schedule, chunks, len(balance), devices, ranks)
         stage_workers = list(plan(chunks).stage_workers)
         self._channel: Optional[Channel] = None
         if group is None:
@@ -208,7 +213,11 @@ class Pipeline(nn.Module):
                 )
                 assert loss is not None
             else:
-                loss = self._step(input, target, training)
+                loss = local.run_step(
+                    self._runner, input, target, chunks=self.chunks, loss_fn=self.loss_fn,
+                    reduction=self.loss_reduction, training=training, module_training=self.training,
+                    checkpoint_stop=self._checkpoint_stop(training),
+                )
         except BaseException:
             if self.deferred_batch_norm:
                 for stage in self._local_stages():
@@ -228,46 +237,6 @@ class Pipeline(nn.Module):
 
         return stop
 
-    def _step(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors], training: bool) -> Tensor:
-        """A step in one process."""
-        if input is None:
-            raise ValueError("step() needs the mini-batch's input (a tensor or a tuple of tensors)")
-        microbatch.check_input(input)
-        input = transfer.move(input, self.devices[0])
-        batches = microbatch.scatter(input, self.chunks)
-        targets = self._targets(target, batches)
-        sizes = [b.values[0].size(0) for b in batches]
-        total = sum(sizes)
-        weights = [n / total if self.loss_reduction == "mean" and total else 1.0 for n in sizes]
-        stop = checkpoint_stop(self.checkpoint, len(batches), training)
-        step = Step(
-            self._runner, batches, grad_enabled=training, training=self.training, checkpoint_stop=stop,
-            loss=Loss(self.loss_fn, targets, weights),
-        )
-        if training:
-            self._runner.run(step)
-            step.backward_input((input,) if isinstance(input, Tensor) else tuple(input))
-        else:
-            self._runner.run_forward(step)
-        losses = [loss for loss in step.losses if loss is not None]
-        return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
-
-    def _targets(self, target: Optional[TensorOrTensors], batches: List[microbatch.Batch]) -> List[Any]:
-        """The target split like the input, on the last stage's device (None per micro-batch if none)."""
-        if target is None:
-            return [None] * len(batches)
-        microbatch.check_input(target, "target")
-        target = transfer.move(target, self.devices[-1])
-        values = (target,) if isinstance(target, Tensor) else tuple(target)
-        size = sum(b.values[0].size(0) for b in batches)
-        wrong = [tuple(t.shape) for t in values if t.dim() == 0 or t.size(0) != size]
-        if wrong:
-            raise ValueError(
-                f"the target must share the input's batch dimension (size {size} along dim 0); got shapes {wrong}"
-            )
-        parts = microbatch.scatter(target, self.chunks)
-        return [p.value for p in parts]
-
     def forward(self, input: Optional[TensorOrTensors]) -> Optional[TensorOrTensors]:
         """Runs the forward alone (no loss, no graph) and returns the module's output, on the last stage's device.
 
@@ -281,15 +250,7 @@ class Pipeline(nn.Module):
                     module_training=self.training, checkpoint_stop=self._checkpoint_stop(False), loss=None,
                 )
             return None if outputs is None else microbatch.gather(outputs)
-        if input is None:
-            raise ValueError("a Pipeline's forward needs the input")
-        microbatch.check_input(input)
-        input = transfer.move(input, self.devices[0])
-        batches = microbatch.scatter(input, self.chunks)
-        with torch.no_grad():
-            step = Step(self._runner, batches, grad_enabled=False, training=self.training, checkpoint_stop=0)
-            results = self._runner.run_forward(step)
-            return microbatch.gather(results)
+        return local.run_forward(self._runner, input, chunks=self.chunks, module_training=self.training)
 
     # --- moving and state -----------------------------------------------------------------------------
 
@@ -359,58 +320,3 @@ def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def _schedule(
-    schedule: ScheduleLike, chunks: int, stages: int, devices: Optional[Sequence[Device]], ranks: Optional[int]
-) -> Tuple[Callable[[int], Schedule], int]:
-    """The schedule for each number of micro-batches, and the number of workers; validated for ``chunks``.
-
-    The workers of ``'interleaved_1f1b'``: one per rank across processes (``ranks``), else one per entry
-    of ``devices``, else one per two stages.
-    """
-    if isinstance(schedule, str):
-        if schedule not in NAMES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(map(repr, NAMES))} or build one")
-        workers = stages
-        if schedule == "interleaved_1f1b":
-            if ranks is not None:
-                workers = ranks
-            elif devices is not None and not isinstance(devices, (str, int, torch.device)):
-                workers = len(list(devices))
-            else:
-                workers = max(1, stages // 2)
-            if workers < 1 or stages % workers or stages // workers < 2:
-                raise ValueError(
-                    f"interleaved_1f1b needs a number of stages that is a multiple (at least 2) of the workers; "
-                    f"got {stages} stages for {workers} workers (one per entry of devices, default: one per two "
-                    "stages)"
-                )
-        if schedule == "zero_bubble" and not weight_grad.supported():
-            raise ValueError(
-                f"zero_bubble needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
-                "upgrade PyTorch or choose '1f1b'"
-            )
-        name = schedule
-
-        def plan(microbatches: int) -> Schedule:
-            return build(name, microbatches, stages, workers)
-
-        validate(plan(chunks))
-        return plan, workers
-    custom = schedule if isinstance(schedule, Schedule) else Schedule.from_lists(schedule, microbatches=chunks)
-    problems = []
-    if custom.stages != stages:
-        problems.append(f"it has {custom.stages} stages but balance has {stages}")
-    if custom.microbatches != chunks:
-        problems.append(f"it is for {custom.microbatches} micro-batches but chunks={chunks}")
-    if any(a.kind is Kind.RECOMPUTE for a in custom.actions()):
-        problems.append("it has recomputations (R); leave them out: checkpoint= places them")
-    if problems:
-        raise ValueError("the schedule does not fit this Pipeline: " + "; ".join(problems))
-    validate(custom)
-
-    def restricted(microbatches: int) -> Schedule:
-        return custom.restricted(microbatches)
-
-    return restricted, custom.num_workers

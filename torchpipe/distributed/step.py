@@ -9,7 +9,7 @@ action fails, its rank records the failure (rank, action, error) and raises the
 original exception; every other rank raises :class:`PipelineError` with that
 record.
 """
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,9 +18,10 @@ from torchpipe import microbatch, transfer
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.transport import DistributedTransport
 from torchpipe.microbatch import Batch
-from torchpipe.runtime import Loss, Runner, Step, stage
+from torchpipe.runtime import Runner, Step
+from torchpipe.runtime.driver import Progress, drive, lifecycle
+from torchpipe.runtime.loss import Loss, loss_weights, split_target
 from torchpipe.runtime.transport import Aborted
-from torchpipe.schedule import Action
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["run_step"]
@@ -86,34 +87,26 @@ def run_step(
             channel.fail(sequence, message)
             raise ValueError(message)
         batches = [None] * count
-    total = sum(sizes)
+    counts = [int(n) for n in sizes]
     step_loss: Optional[Loss] = None
+    if loss is not None:
+        step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2]))
     step = Step(
         runner, batches, grad_enabled=training, training=module_training,
-        checkpoint_stop=checkpoint_stop(len(batches)), loss=None,
+        checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
     )
     plan = step.plan.schedule if training else step.plan.forward
     step.transport = transport = DistributedTransport(channel, sequence, plan, runner.skip_layout, devices)
-    actions: Sequence[Action] = plan.workers[rank]
-    current: Optional[Action] = None
+    progress = Progress()
     try:
-        if loss is not None:
-            fn, target, reduction = loss
-            targets: List[Any] = [None] * len(batches)
-            if rank == last and target is not None:
-                targets = _split_target(target, devices[-1], sizes)
-            weights = [n / total if reduction == "mean" and total else 1.0 for n in sizes]
-            step_loss = step.loss = Loss(fn, targets, weights)
-        for current in actions:
-            if transport.aborted:
-                channel.raise_failure(sequence)
-                raise PipelineError("another rank's step failed")
-            stage.run(step, current)
-        current = None
-        transport.finish()
+        if loss is not None and step_loss is not None and rank == last:
+            targets = split_target(loss[1], devices[-1], counts)
+            step.loss = step_loss = step_loss._replace(targets=targets)
+        with lifecycle(step):
+            drive(step, plan.workers[rank], progress)
+            transport.finish()
         if rank == last and step_loss is not None:
-            losses = [value for value in step.losses if value is not None]
-            value = float(sum(float(v) for v in losses))
+            value = float(sum(float(v) for v in step.losses if v is not None))
             channel.publish(sequence, "loss", [value])
         published = channel.done(sequence, read=["loss"] if step_loss is not None else [])
         if training and inputs:
@@ -124,7 +117,7 @@ def run_step(
             channel.raise_failure(sequence)
         raise
     except BaseException as exc:
-        where = f"action {current}" if current is not None else "its step"
+        where = f"action {progress.current}" if progress.current is not None else "its step"
         channel.fail(sequence, f"rank {rank} failed in {where}: {type(exc).__name__}: {exc}")
         transport.fail()
         raise
@@ -135,15 +128,3 @@ def run_step(
         result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs
-
-
-def _split_target(target: TensorOrTensors, device: torch.device, sizes: Sequence[float]) -> List[Any]:
-    microbatch.check_input(target, "target")
-    target = transfer.move(target, device)
-    values = (target,) if isinstance(target, Tensor) else tuple(target)
-    size = int(sum(sizes))
-    wrong = [tuple(t.shape) for t in values if t.dim() == 0 or t.size(0) != size]
-    if wrong:
-        raise ValueError(f"the target must share the input's batch dimension (size {size} along dim 0); got {wrong}")
-    parts = microbatch.scatter(target, len(sizes))
-    return [p.value for p in parts]

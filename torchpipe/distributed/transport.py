@@ -43,8 +43,8 @@ from torch import Tensor
 from torchpipe import trace
 from torchpipe.distributed import wire
 from torchpipe.distributed.channel import POLL_SECONDS, Channel, PipelineError
-from torchpipe.runtime.transport import Aborted, Edge, EdgeKind, Message
-from torchpipe.schedule import Kind, Schedule
+from torchpipe.runtime.transport import Edge, EdgeKind, Mailbox, Message, sends
+from torchpipe.schedule import Schedule
 from torchpipe.skip.layout import SkipLayout
 
 __all__ = ["DistributedTransport", "message_orders"]
@@ -53,29 +53,12 @@ __all__ = ["DistributedTransport", "message_orders"]
 _TAGS_PER_STEP = 1 << 20  # x2 tags per message, x512 steps: below 2**31
 
 
-def _sends(action: Any, stages: int, layout: SkipLayout) -> List[Edge]:
-    """The messages ``action`` sends, in the order it sends them (see [Note: message order])."""
-    s, i = action.stage, action.microbatch
-    edges: List[Edge] = []
-    if action.kind is Kind.FORWARD:
-        for ns, name in layout.stashes_for_later[s]:
-            edges.append(Edge(EdgeKind.SKIP, i, s, layout.route(ns, name).pop, (ns, name)))
-        if s + 1 < stages:
-            edges.append(Edge(EdgeKind.ACTIVATION, i, s, s + 1))
-    elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-        for ns, name in layout.pops_from_before[s]:
-            edges.append(Edge(EdgeKind.SKIP_GRADIENT, i, s, layout.route(ns, name).stash, (ns, name)))
-        if s > 0:
-            edges.append(Edge(EdgeKind.GRADIENT, i, s, s - 1))
-    return edges
-
-
 def message_orders(schedule: Schedule, layout: SkipLayout) -> Dict[Tuple[int, int], List[Edge]]:
     """For each (sending worker, receiving worker) pair of different workers, its messages in order."""
     orders: Dict[Tuple[int, int], List[Edge]] = {}
     for w, actions in enumerate(schedule.workers):
         for action in actions:
-            for edge in _sends(action, schedule.stages, layout):
+            for edge in sends(action, schedule.stages, layout):
                 target = schedule.stage_workers[edge.target]
                 if target != w:
                     orders.setdefault((w, target), []).append(edge)
@@ -125,9 +108,7 @@ class DistributedTransport:
         self.stage_workers = schedule.stage_workers
         self.devices = list(devices)
         self.rank = channel.rank
-        self._cond = threading.Condition()
-        self._slots: Dict[Edge, Message] = {}
-        self._failures: List[_PeerFailed] = []
+        self.mailbox = Mailbox()
         self._aborted = False
         self._failed = False
         orders = message_orders(schedule, layout)
@@ -154,7 +135,7 @@ class DistributedTransport:
 
     @property
     def aborted(self) -> bool:
-        if self._aborted:
+        if self._aborted or self.mailbox.aborted:
             return True
         self._poll_failure()
         return self._aborted
@@ -171,9 +152,7 @@ class DistributedTransport:
     def send(self, edge: Edge, message: Message) -> None:
         peer = self.stage_workers[edge.target]
         if peer == self.rank:
-            with self._cond:
-                self._slots[edge] = message
-                self._cond.notify_all()
+            self.mailbox.put(edge, message)
             return
         k = self._index[peer][edge]
         assert k == self._sent[peer], f"{edge} is sent out of the schedule's order ({k} != {self._sent[peer]})"
@@ -219,28 +198,17 @@ class DistributedTransport:
         raise PipelineError(self.channel.failure(self.sequence) or message)
 
     def recv(self, edge: Edge) -> Message:
-        with self._cond:
-            while True:
-                message = self._slots.pop(edge, None)
-                if message is not None:
-                    return message
-                if self._failures:
-                    failure = self._failures[0]
-                    self._aborted = True
-                    if failure.died:
-                        self.channel.fail(self.sequence, failure.message)
-                    raise PipelineError(self.channel.failure(self.sequence) or failure.message)
-                if self._aborted:
-                    raise Aborted(f"another action of the step failed while this one waited for the {edge}")
-                self._cond.wait(POLL_SECONDS)
-                self._poll_failure()
-                if self._aborted:
-                    self.channel.raise_failure(self.sequence)
+        return self.mailbox.take(edge, poll=self._check_store, interval=POLL_SECONDS)
+
+    def _check_store(self) -> None:
+        """While a receive waits: raises :class:`PipelineError` if another rank's failure is in the store."""
+        self._poll_failure()
+        if self._aborted:
+            self.mailbox.abort()
+            self.channel.raise_failure(self.sequence)
 
     def abort(self) -> None:
-        with self._cond:
-            self._aborted = True
-            self._cond.notify_all()
+        self.mailbox.abort()
 
     # --- the end of a step -----------------------------------------------------------------------------
 
@@ -316,12 +284,12 @@ class DistributedTransport:
                     return
                 self.channel.layouts[key] = layout
                 if decoded.kind is wire.Kind.NOT_STASHED:
-                    self._put(edge, Message([], (), True))
+                    self.mailbox.put(edge, Message([], (), True))
                     continue
                 values = iter(received)
                 tensors = [None if meta is None else next(values) for meta in decoded.tensors]
                 flags = tuple(meta is not None and meta[1] for meta in decoded.tensors)
-                self._put(edge, Message(tensors, flags, decoded.atomic))
+                self.mailbox.put(edge, Message(tensors, flags, decoded.atomic))
         except RuntimeError as exc:
             self._put_failure(_PeerFailed(
                 f"rank {peer} died or closed its connection while rank {self.rank} waited for its "
@@ -340,12 +308,11 @@ class DistributedTransport:
             posted.append((tensor, self.channel.data.recv([tensor], peer, self._tag(k, 1))))
         return posted
 
-    def _put(self, edge: Edge, message: Message) -> None:
-        with self._cond:
-            self._slots[edge] = message
-            self._cond.notify_all()
-
     def _put_failure(self, failure: _PeerFailed) -> None:
-        with self._cond:
-            self._failures.append(failure)
-            self._cond.notify_all()
+        def error() -> BaseException:
+            self._aborted = True
+            if failure.died:
+                self.channel.fail(self.sequence, failure.message)
+            return PipelineError(self.channel.failure(self.sequence) or failure.message)
+
+        self.mailbox.fail(error)

@@ -8,7 +8,9 @@ actions in order; each action (:mod:`torchpipe.runtime.stage`) is one stage's
 forward, recomputation or backward of one micro-batch, exchanging tensors with
 other stages through the transport (:mod:`torchpipe.runtime.transport`).
 """
+from torchpipe.runtime.driver import StageHooks
+from torchpipe.runtime.loss import Loss
 from torchpipe.runtime.runner import Runner
-from torchpipe.runtime.step import Loss, Plan, Step
+from torchpipe.runtime.step import Plan, Step
 
-__all__ = ["Runner", "Step", "Plan", "Loss"]
+__all__ = ["Runner", "Step", "Plan", "Loss", "StageHooks"]

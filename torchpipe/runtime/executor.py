@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import List, Optional, Sequence
 
-from torchpipe.runtime import stage
+from torchpipe.runtime.driver import drive
 from torchpipe.runtime.step import Step
 from torchpipe.runtime.transport import Aborted
 from torchpipe.schedule import Action, Schedule
@@ -38,10 +38,10 @@ def execute(step: Step, schedule: Schedule, inline: Sequence[Action] = ()) -> No
         if pending:
             workers = step.runner.workers()
             for w, actions in pending:
-                futures.append(workers[w].submit(functools.partial(_run_actions, step, actions)))
+                futures.append(workers[w].submit(functools.partial(drive, step, actions)))
         if inline:
             try:
-                _run_actions(step, inline)
+                drive(step, inline)
             except BaseException as exc:  # noqa: B036 - raised below, once every worker has stopped
                 failure = exc
         wait_futures(futures)
@@ -67,18 +67,6 @@ def execute(step: Step, schedule: Schedule, inline: Sequence[Action] = ()) -> No
             raise root
         finally:
             root = None
-
-
-def _run_actions(step: Step, actions: Sequence[Action]) -> None:
-    transport = step.transport
-    try:
-        for action in actions:
-            if transport.aborted:
-                raise Aborted(f"stopped before {action}: another action of the step failed")
-            stage.run(step, action)
-    except BaseException:
-        transport.abort()
-        raise
 
 
 def _wait_for(futures: Sequence["Future[None]"]) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe.microbatch import Batch
+from torchpipe.runtime.driver import StageHooks, lifecycle
 from torchpipe.runtime.executor import execute
 from torchpipe.runtime.step import Plan, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
@@ -31,7 +32,6 @@ from torchpipe.worker import WorkerGroup, fork_generation
 
 __all__ = ["Runner"]
 
-FORWARD_PHASE = (Kind.FORWARD,)
 BACKWARD_PHASE = (Kind.RECOMPUTE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 
 
@@ -71,6 +71,8 @@ class Runner:
         self.worker_devices = list(worker_devices)
         self.skip_layout = skip_layout
         self.inline_backward = inline_backward
+        #: What runs at the points of each training step's lifecycle (see [Note: stage lifecycle]).
+        self.hooks: List[StageHooks] = []
         out = self.devices[-1] if self.devices else None
         #: [Note: backward threads] workers whose backward-phase actions run on the caller's (engine) thread.
         self.inline: FrozenSet[int] = frozenset(
@@ -117,12 +119,11 @@ class Runner:
             base = self.schedule(microbatches)
             schedule = with_recomputation(base, lambda s, i: i < checkpoint_stop)
             validate(schedule)  # every schedule is checked (and simulated) before it first runs
-            backward = schedule.only(BACKWARD_PHASE)
             inline: Tuple[Any, ...] = ()
             if self.inline:
-                timing = simulate(backward, {kind: 1.0 for kind in Kind})
+                timing = simulate(schedule.only(BACKWARD_PHASE), {kind: 1.0 for kind in Kind})
                 inline = tuple(a for a in timing.order() if self.stage_workers[a.stage] in self.inline)
-            plan = self._plans[key] = Plan(schedule, schedule.only(FORWARD_PHASE), backward, inline)
+            plan = self._plans[key] = Plan.of(schedule, inline, self.skip_layout)
         return plan
 
     def workers(self) -> WorkerGroup:
@@ -183,6 +184,7 @@ class Runner:
         return [g for g in grads_in if g is not None]
 
     def run(self, step: Step) -> None:
-        """Runs the whole schedule of ``step`` in one phase (a Pipeline training step)."""
-        self._execute(step, step.plan.schedule)
+        """Runs the whole schedule of ``step`` in one phase (a Pipeline training step), with the stage hooks."""
+        with lifecycle(step):
+            self._execute(step, step.plan.schedule)
         step.batches = None

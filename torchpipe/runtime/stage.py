@@ -29,12 +29,12 @@ from torchpipe.context import task_context
 from torchpipe.microbatch import Batch
 from torchpipe.rng import streams
 from torchpipe.runtime.boundary import alias, is_differentiable, make_leaves, own_gradients, own_version
+from torchpipe.runtime.skips import StageSkips, received_skips, stashed_roots
 from torchpipe.runtime.step import StageState, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
 from torchpipe.runtime.weight_grad import backward_input as split_input
 from torchpipe.runtime.weight_grad import backward_weight as split_weight
 from torchpipe.schedule import Action, Kind
-from torchpipe.skip.tracker import SkipName, StageSkips, received_skips, send_skip_grads, stashed_roots
 from torchpipe.stream import use_device, use_stream
 
 __all__ = ["run", "forward", "recompute", "backward", "backward_input", "backward_weight"]
@@ -49,14 +49,15 @@ def run(step: Step, action: Action) -> None:
     # record_function costs microseconds even with no profiler: label the action only when one runs.
     profiled = record_function(f"torchpipe/part{s}/mb{i}/{label}") if _profiler_enabled() else _NOT_PROFILED
     with use_device(step.runner.devices[s]), use_stream(step.streams[s]), profiled, trace.span(label, s, i):
-        _ACTIONS[kind](step, s, i)
+        _ACTIONS[kind](step, action)
 
 
 # --- forward and recomputation ----------------------------------------------------------------------------
 
 
-def forward(step: Step, s: int, i: int) -> None:
+def forward(step: Step, action: Action) -> None:
     """``sFi``: the first forward of stage ``s`` for micro-batch ``i``."""
+    s, i = action.stage, action.microbatch
     runner = step.runner
     if s == 0:
         assert step.batches is not None, "the step's input was released before its forwards ran"
@@ -91,8 +92,6 @@ def forward(step: Step, s: int, i: int) -> None:
             saved = Batch.of(leaves, atomic)
             with task_context(step.keys[i], skips=skips):
                 out, loss = _run_stage(step, s, i, Batch.of(alias(leaves), atomic))
-        if skips is not None:
-            skips.finish()
     if step.grad_enabled:
         state = step.states[(s, i)] = StageState(saved)
         if not checkpointed:
@@ -108,18 +107,24 @@ def forward(step: Step, s: int, i: int) -> None:
     else:
         out_flags = tuple(t.requires_grad for t in out.values)
     trace.mark_end()
+    for edge in step.plan.sends[action]:  # the skips stashed for later stages, then the output
+        if edge.kind is EdgeKind.SKIP:
+            assert skips is not None and edge.skip is not None
+            step.transport.send(edge, skips.message(*edge.skip))
+        else:
+            step.transport.send(edge, Message([t.detach() for t in out.values], out_flags, out.atomic))
     if s + 1 < runner.stages_count:
-        message = Message([t.detach() for t in out.values], out_flags, out.atomic)
-        step.transport.send(Edge(EdgeKind.ACTIVATION, i, s, s + 1), message)
-    elif loss is not None:
+        return
+    if loss is not None:
         step.losses[i] = loss.detach()
     else:
         step.results[i] = Batch.of([t.detach() for t in out.values], out.atomic)
         step.output_flags[i] = None if checkpointed else out_flags
 
 
-def recompute(step: Step, s: int, i: int) -> None:
+def recompute(step: Step, action: Action) -> None:
     """``sRi``: the forward of a checkpointed micro-batch again, with grad, just before its backward."""
+    s, i = action.stage, action.microbatch
     state = step.states[(s, i)]
     _check_input_versions(state, i)
     runner = step.runner
@@ -200,48 +205,44 @@ def _output_roots(step: Step, s: int, i: int, state: StageState) -> Tuple[List[T
 
 
 def _hand_back(
-    step: Step,
-    s: int,
-    i: int,
-    input_grads: List[Optional[Tensor]],
-    skip_grads: Optional[Tuple[List[SkipName], List[Optional[Tensor]]]],
+    step: Step, action: Action, input_grads: List[Optional[Tensor]], skip_grads: List[Optional[Tensor]]
 ) -> None:
-    """Sends the gradients of the stage's inputs to the previous stage and of its popped skips to theirs."""
+    """Sends the gradients of the popped skips back to their stashing stages, then of the stage's inputs to the
+    previous stage (in the one order, :func:`~torchpipe.runtime.transport.sends`)."""
     trace.mark_end()
-    if skip_grads is not None:
-        names, grads = skip_grads
-        send_skip_grads(step, s, i, names, grads)
-    if s > 0:
-        step.transport.send(Edge(EdgeKind.GRADIENT, i, s, s - 1), Message(input_grads))
-    else:
-        step.input_grads[i] = input_grads
-        step.keys[i] = None  # the micro-batch's backward is over: release its identity
+    popped = iter(skip_grads)  # in the layout's order, as the edges
+    for edge in step.plan.sends[action]:
+        if edge.kind is EdgeKind.SKIP_GRADIENT:
+            step.transport.send(edge, Message([next(popped)]))
+        else:
+            step.transport.send(edge, Message(input_grads))
+    if action.stage == 0:
+        step.input_grads[action.microbatch] = input_grads
+        step.keys[action.microbatch] = None  # the micro-batch's backward is over: release its identity
 
 
-def _inputs(
-    step: Step, s: int, i: int, state: StageState
-) -> Tuple[List[Tensor], List[SkipName], List[Optional[Tensor]]]:
-    """The leaves whose gradients the stage hands back (its inputs, then the skips it popped), the popped
-    skips' names, and their leaves (None where nothing was received)."""
-    names, popped = received_skips(step, s, i) if step.runner.skip_layout else ([], [])
-    return list(state.leaves.values) + [p for p in popped if p is not None], names, popped
+def _inputs(step: Step, s: int, i: int, state: StageState) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
+    """The leaves whose gradients the stage hands back (its inputs, then the skips it popped), and the popped
+    skips' leaves in the layout's order (None where nothing was received)."""
+    popped = received_skips(step, s, i) if step.runner.skip_layout else []
+    return list(state.leaves.values) + [p for p in popped if p is not None], popped
 
 
 def _split(
-    grads: Sequence[Optional[Tensor]], count: int, names: List[SkipName], popped: List[Optional[Tensor]]
-) -> Tuple[List[Optional[Tensor]], Optional[Tuple[List[SkipName], List[Optional[Tensor]]]]]:
-    """Cuts the gradients of ``_inputs`` back into the inputs' and the popped skips'."""
+    grads: Sequence[Optional[Tensor]], count: int, popped: List[Optional[Tensor]]
+) -> Tuple[List[Optional[Tensor]], List[Optional[Tensor]]]:
+    """Cuts the gradients of ``_inputs`` back into the inputs' and the popped skips' (None: not received)."""
     rest = iter(grads[count:])
-    skip_grads = [next(rest) if p is not None else None for p in popped]
-    return list(grads[:count]), (names, skip_grads) if names else None
+    return list(grads[:count]), [next(rest) if p is not None else None for p in popped]
 
 
-def backward(step: Step, s: int, i: int) -> None:
+def backward(step: Step, action: Action) -> None:
     """``sBi``: the backward of stage ``s``'s graph for micro-batch ``i``."""
+    s, i = action.stage, action.microbatch
     state = step.states.pop((s, i))
     _check_input_versions(state, i)
     roots, grads = _output_roots(step, s, i, state)
-    inputs, names, popped = _inputs(step, s, i, state)
+    inputs, popped = _inputs(step, s, i, state)
     count = len(state.leaves.values)
     # A tensor a layer kept by hand under current_microbatch() (the user guide's skip dict) may join this
     # graph to an earlier stage's, whose own backward then runs through the same nodes again: keep the graph
@@ -268,24 +269,25 @@ def backward(step: Step, s: int, i: int) -> None:
         step.accumulate(s, param_grads)
         found = [x.grad if x.requires_grad else None for x in inputs]
     del roots, grads, state
-    input_grads, skip_grads = _split(found, count, names, popped)
-    _hand_back(step, s, i, input_grads, skip_grads)
+    input_grads, skip_grads = _split(found, count, popped)
+    _hand_back(step, action, input_grads, skip_grads)
 
 
-def backward_input(step: Step, s: int, i: int) -> None:
+def backward_input(step: Step, action: Action) -> None:
     """``sIi``: the gradients of stage ``s``'s inputs (and popped skips) for micro-batch ``i``; graph kept."""
+    s, i = action.stage, action.microbatch
     state = step.states[(s, i)]
     roots, grads = _output_roots(step, s, i, state)
-    inputs, names, popped = _inputs(step, s, i, state)
+    inputs, popped = _inputs(step, s, i, state)
     found, state.weight = split_input(roots, grads, inputs)
     state.outputs = None  # the graph lives on in what W needs
-    input_grads, skip_grads = _split(found, len(state.leaves.values), names, popped)
-    _hand_back(step, s, i, input_grads, skip_grads)
+    input_grads, skip_grads = _split(found, len(state.leaves.values), popped)
+    _hand_back(step, action, input_grads, skip_grads)
 
 
-def backward_weight(step: Step, s: int, i: int) -> None:
+def backward_weight(step: Step, action: Action) -> None:
     """``sWi``: the gradients of stage ``s``'s parameters for micro-batch ``i``, into ``.grad``; graph freed."""
-    state = step.states.pop((s, i))
+    state = step.states.pop((action.stage, action.microbatch))
     if state.weight is not None:
         split_weight(state.weight)
 

@@ -1,5 +1,5 @@
 """One mini-batch in the pipeline: its plan, and the state its actions share while it runs."""
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -7,17 +7,20 @@ from torch import Tensor
 from torchpipe.context import MicroBatch
 from torchpipe.microbatch import Batch
 from torchpipe.rng import may_draw, step_seed, task_seed
-from torchpipe.runtime.transport import LocalTransport, Transport
-from torchpipe.schedule import Action, Schedule
+from torchpipe.runtime.loss import Loss
+from torchpipe.runtime.transport import Edge, LocalTransport, Transport, sends
+from torchpipe.schedule import Action, Kind, Schedule
+from torchpipe.skip.layout import SkipLayout
 from torchpipe.skip.registry import SkipRegistry
 from torchpipe.stream import current_stream
 from torchpipe.worker import ThreadContext
 
 if TYPE_CHECKING:
+    from torchpipe.runtime.driver import StageHooks
     from torchpipe.runtime.runner import Runner
     from torchpipe.runtime.weight_grad import WeightGradient
 
-__all__ = ["Plan", "Step", "StageState", "Loss"]
+__all__ = ["Plan", "Step", "StageState"]
 
 
 class Plan(NamedTuple):
@@ -27,23 +30,35 @@ class Plan(NamedTuple):
     its forward actions (GPipe's first phase, and every forward-only step);
     ``backward`` the rest (GPipe's second phase). ``inline`` lists, in the
     order a single thread can run them, the backward actions of the workers
-    that run on the caller's thread (see [Note: backward threads]).
+    that run on the caller's thread (see [Note: backward threads]). ``sends``
+    gives each action's messages in the order it sends them (see
+    :func:`~torchpipe.runtime.transport.sends`); ``last_backward`` maps each
+    stage's last backward action (``B``, or ``W`` of a split backward) to the
+    stage (see [Note: stage lifecycle]).
     """
 
     schedule: Schedule
     forward: Schedule
     backward: Schedule
     inline: Tuple[Action, ...]
+    sends: Dict[Action, Tuple[Edge, ...]]
+    last_backward: Dict[Action, int]
 
-
-class Loss(NamedTuple):
-    """How the last stage turns a micro-batch's output into its share of the loss (a ``Pipeline`` step)."""
-
-    #: ``loss_fn(output, target)``, or None when the module's output is the loss.
-    fn: Optional[Callable[..., Tensor]]
-    #: Per micro-batch: its target (None when there is none) and its weight in the total.
-    targets: List[Any]
-    weights: List[float]
+    @staticmethod
+    def of(schedule: Schedule, inline: Tuple[Action, ...], layout: SkipLayout) -> "Plan":
+        """The plan of ``schedule`` (recomputations included)."""
+        last: Dict[int, Action] = {}
+        for action in schedule.actions():
+            if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                last[action.stage] = action  # a stage's actions are on one worker, in order
+        return Plan(
+            schedule,
+            schedule.only((Kind.FORWARD,)),
+            schedule.only((Kind.RECOMPUTE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)),
+            inline,
+            {a: sends(a, schedule.stages, layout) for a in schedule.actions()},
+            {a: s for s, a in last.items()},
+        )
 
 
 class StageState:
@@ -79,8 +94,11 @@ class Step:
         checkpoint_stop: int,
         loss: Optional[Loss] = None,
         watch_inputs: bool = False,
+        sequence: Optional[int] = None,
     ) -> None:
         self.runner = runner
+        #: The step's number across processes (the same on every rank); None in one process.
+        self.sequence = sequence
         #: The micro-batches' inputs (on the first stage's rank; None elsewhere across processes).
         self.batches: Optional[List[Optional[Batch]]] = list(batches)
         self.microbatches = len(batches)
@@ -101,6 +119,8 @@ class Step:
         self.seed = step_seed() if any(self.draws) else None
         self.context = ThreadContext.capture()
         self.plan = runner.plan(self.microbatches, checkpoint_stop)
+        #: The stage hooks of a training step of a Pipeline (see [Note: stage lifecycle]); none otherwise.
+        self.hooks: Sequence[StageHooks] = runner.hooks if grad_enabled and loss is not None else ()
         self.keys: List[Optional[MicroBatch]] = [MicroBatch(i) for i in range(self.microbatches)]
         self.streams = [current_stream(d) for d in runner.devices]
         self.transport: Transport = LocalTransport(runner, self.streams)

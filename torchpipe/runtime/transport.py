@@ -12,18 +12,20 @@ which is what keeps "nothing hangs" true.
 import enum
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 from torch import Tensor
 
 from torchpipe import trace, transfer
+from torchpipe.schedule import Action, Kind
+from torchpipe.skip.layout import SkipLayout
 from torchpipe.skip.namespace import Namespace
 from torchpipe.stream import CPU_EVENT, AbstractEvent, AbstractStream
 
 if TYPE_CHECKING:
     from torchpipe.runtime.runner import Runner
 
-__all__ = ["EdgeKind", "Edge", "Message", "Transport", "LocalTransport", "Aborted"]
+__all__ = ["EdgeKind", "Edge", "Message", "Transport", "Mailbox", "LocalTransport", "Aborted", "sends"]
 
 
 class EdgeKind(str, enum.Enum):
@@ -73,6 +75,31 @@ class Aborted(Exception):
     """Raised in an action that waited for a message another, failed, action was to send."""
 
 
+def sends(action: Action, stages: int, layout: SkipLayout) -> Tuple[Edge, ...]:
+    """The messages ``action`` sends, in the order it sends them: the one order both transports follow.
+
+    A forward sends the skips it stashed for later stages (in the layout's
+    order), then its output to the next stage; a backward (or the input half of
+    a split one) sends the gradients of the skips it popped back to their
+    stashing stages, then its input's gradient to the previous stage. Across
+    processes the receiving rank posts its receives in this order (see
+    [Note: message order] in ``distributed/transport.py``).
+    """
+    s, i = action.stage, action.microbatch
+    edges: List[Edge] = []
+    if action.kind is Kind.FORWARD:
+        for ns, name in layout.stashes_for_later[s]:
+            edges.append(Edge(EdgeKind.SKIP, i, s, layout.route(ns, name).pop, (ns, name)))
+        if s + 1 < stages:
+            edges.append(Edge(EdgeKind.ACTIVATION, i, s, s + 1))
+    elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+        for ns, name in layout.pops_from_before[s]:
+            edges.append(Edge(EdgeKind.SKIP_GRADIENT, i, s, layout.route(ns, name).stash, (ns, name)))
+        if s > 0:
+            edges.append(Edge(EdgeKind.GRADIENT, i, s, s - 1))
+    return tuple(edges)
+
+
 class Transport(Protocol):
     """How the actions of one step exchange messages (see [Note: transports])."""
 
@@ -86,6 +113,67 @@ class Transport(Protocol):
     def abort(self) -> None: ...
 
 
+class Mailbox:
+    """Messages left for the actions of one step, by edge; a ``take`` waits for its message or a failure.
+
+    Both transports keep their messages here: in one process every message,
+    across processes those between stages of this rank and those the
+    receiving threads took off the wire. ``abort`` wakes every wait with
+    :class:`Aborted`; ``fail`` with the error it is given (a peer that failed).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._slots: Dict[Edge, Message] = {}
+        self._aborted = False
+        self._failure: Optional[Callable[[], BaseException]] = None
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def put(self, edge: Edge, message: Message) -> None:
+        with self._cond:
+            self._slots[edge] = message
+            self._cond.notify_all()
+
+    def take(
+        self, edge: Edge, *, poll: Optional[Callable[[], None]] = None, interval: Optional[float] = None
+    ) -> Message:
+        """The message of ``edge``, once it is there.
+
+        Raises:
+            BaseException: what ``fail`` was given, or what ``poll`` (called
+                every ``interval`` seconds while waiting) raises.
+            Aborted: the step was aborted while waiting.
+        """
+        with self._cond:
+            while True:
+                message = self._slots.pop(edge, None)
+                if message is not None:
+                    return message
+                if self._failure is not None:
+                    self._aborted = True
+                    raise self._failure()
+                if self._aborted:
+                    raise Aborted(f"another action of the step failed while this one waited for the {edge}")
+                self._cond.wait(interval)
+                if poll is not None:
+                    poll()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def fail(self, error: Callable[[], BaseException]) -> None:
+        """Makes every wait raise ``error()`` (the first failure given wins)."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = error
+            self._cond.notify_all()
+
+
 class LocalTransport:
     """The messages of one step between the stages of one process: a mailbox, and copies between devices.
 
@@ -97,13 +185,11 @@ class LocalTransport:
     def __init__(self, runner: "Runner", streams: List[AbstractStream]) -> None:
         self.runner = runner
         self.streams = streams
-        self._cond = threading.Condition()
-        self._slots: Dict[Edge, Message] = {}
-        self._aborted = False
+        self.mailbox = Mailbox()
 
     @property
     def aborted(self) -> bool:
-        return self._aborted
+        return self.mailbox.aborted
 
     def send(self, edge: Edge, message: Message) -> None:
         runner = self.runner
@@ -126,21 +212,12 @@ class LocalTransport:
             edge.kind.value, edge.source, edge.target, edge.microbatch, tensors, source_device, target_device,
             None if edge.skip is None else edge.skip[1],
         )
-        with self._cond:
-            self._slots[edge] = message._replace(tensors=tensors, event=event)
-            self._cond.notify_all()
+        self.mailbox.put(edge, message._replace(tensors=tensors, event=event))
 
     def recv(self, edge: Edge) -> Message:
-        with self._cond:
-            while edge not in self._slots:
-                if self._aborted:
-                    raise Aborted(f"another pipeline action failed while this one waited for the {edge}")
-                self._cond.wait()
-            message = self._slots.pop(edge)
+        message = self.mailbox.take(edge)
         tensors = transfer.receive(message.tensors, message.event, self.streams[edge.target])
         return message._replace(tensors=tensors)
 
     def abort(self) -> None:
-        with self._cond:
-            self._aborted = True
-            self._cond.notify_all()
+        self.mailbox.abort()

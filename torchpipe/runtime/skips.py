@@ -12,9 +12,10 @@ leaf (a copy of it, when its first forward was checkpointed, so that a layer
 modifying it in place cannot change what the recomputation sees).
 
 Every skip route carries exactly one message per micro-batch each way, so a
-stage never waits for a skip that will not come: a declared stash that a layer
-did not make this time is sent as "not stashed", and popping it is the same
-``RuntimeError`` as in a plain ``nn.Sequential``.
+stage never waits for a skip that will not come. A skippable layer that
+returns without stashing what it declares raises (as in a plain
+``nn.Sequential``); a declared stash missing all the same is sent as "not
+stashed", and popping it is a ``RuntimeError`` naming the layer and the skip.
 """
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
@@ -28,7 +29,7 @@ from torchpipe.skip.namespace import Namespace
 if TYPE_CHECKING:
     from torchpipe.runtime.step import Step
 
-__all__ = ["StageSkips", "SkipName", "received_skips", "stashed_roots", "send_skip_grads"]
+__all__ = ["StageSkips", "SkipName", "received_skips", "stashed_roots"]
 
 #: A skip's namespace and name.
 SkipName = Tuple[Namespace, str]
@@ -107,27 +108,21 @@ class StageSkips:
             return alias((leaf,))[0]
         return leaf
 
-    def finish(self) -> None:
-        """After the forward: sends each skip stashed for a later stage, in the layout's order, and tells the
-        popping stages of the declared skips this one did not stash (an empty message)."""
-        if self.recomputing:
-            return
-        step, s, i = self.step, self.stage, self.microbatch
-        layout = step.runner.skip_layout
-        for ns, name in layout.stashes_for_later[s]:
-            message = self.stashed.get((ns, name)) or Message([], (), True)
-            target = layout.route(ns, name).pop
-            step.transport.send(Edge(EdgeKind.SKIP, i, s, target, (ns, name)), message)
+    def message(self, ns: Namespace, name: str) -> Message:
+        """What the forward sends the stage that pops ``(ns, name)``: the stashed tensor, or, for a declared
+        stash that was not made, an empty message (every route carries one message per micro-batch)."""
+        return self.stashed.get((ns, name)) or Message([], (), True)
 
 
 def _copy(leaf: Tensor) -> Tensor:
     return leaf.detach().clone().requires_grad_(leaf.requires_grad)
 
 
-def received_skips(step: "Step", stage: int, microbatch: int) -> Tuple[List[SkipName], List[Optional[Tensor]]]:
-    """The skips ``stage`` popped from earlier stages in ``microbatch``, and their leaves (None: not received)."""
+def received_skips(step: "Step", stage: int, microbatch: int) -> List[Optional[Tensor]]:
+    """The leaves of the skips ``stage`` popped from earlier stages in ``microbatch``, in the layout's order
+    (None: not received)."""
     names = step.runner.skip_layout.pops_from_before[stage]
-    return names, [step.skips.popped.pop((microbatch, ns, name), None) for ns, name in names]
+    return [step.skips.popped.pop((microbatch, ns, name), None) for ns, name in names]
 
 
 def stashed_roots(step: "Step", stage: int, microbatch: int) -> Tuple[List[Tensor], List[Tensor]]:
@@ -143,13 +138,3 @@ def stashed_roots(step: "Step", stage: int, microbatch: int) -> Tuple[List[Tenso
             roots.append(stashed)
             grads.append(grad)
     return roots, grads
-
-
-def send_skip_grads(
-    step: "Step", stage: int, microbatch: int, names: List[SkipName], grads: List[Optional[Tensor]]
-) -> None:
-    """Sends the gradients of the skips ``stage`` popped back to the stages that stashed them."""
-    layout = step.runner.skip_layout
-    for (ns, name), grad in zip(names, grads):
-        target = layout.route(ns, name).stash
-        step.transport.send(Edge(EdgeKind.SKIP_GRADIENT, microbatch, stage, target, (ns, name)), Message([grad]))

@@ -1,0 +1,110 @@
+"""The driver: runs one worker's actions of a step in order, and tells the stages where they are in the step.
+
+[Note: stage lifecycle] A stage hears three things about a training step,
+all derived from the schedule, never guessed: the step starts (before any
+action, on every worker and rank), its last backward of the step is done
+(right after the action the plan names, on the worker that ran it: the last
+``B``, or the last ``W`` of a split backward), and the step ended (after
+every action, before the step returns). Stage hooks (:class:`StageHooks`)
+hang on these: data parallelism starts a stage's gradient reduction after its
+last backward, while the backward of other stages still runs, and waits for
+it at the end; tied parameters sum their copies' gradients there. A failed
+step calls :meth:`StageHooks.abort` instead of the end, on every worker and
+rank, so a hook can still do what its peers expect of it (a collective they
+already started) and leave nothing half done.
+
+One driver runs every step, whatever the transport: in one process the
+executor runs each worker's list on its thread with :func:`drive`; across
+processes a rank runs its own list with :func:`drive` on the calling thread.
+"""
+import contextlib
+from typing import TYPE_CHECKING, Generator, Optional, Sequence
+
+from torchpipe.runtime import stage
+from torchpipe.runtime.transport import Aborted
+from torchpipe.schedule import Action
+
+if TYPE_CHECKING:
+    from torchpipe.runtime.step import Step
+
+__all__ = ["StageHooks", "Progress", "drive", "lifecycle"]
+
+
+class StageHooks:
+    """What runs at the points of a training step's lifecycle (see [Note: stage lifecycle]); each method is a
+    no-op here, so a hook overrides only what it needs.
+
+    ``before_step`` and ``after_step`` run on the thread that drives the step;
+    ``after_last_backward`` on the worker that ran the stage's last backward
+    (in one process, several workers may call it at once, for their own stages).
+    """
+
+    def before_step(self, step: "Step") -> None:
+        """The step starts: no action of it has run."""
+
+    def after_last_backward(self, step: "Step", stage: int) -> None:
+        """``stage``'s last backward of the step is done: its parameters' gradients of the step are complete."""
+
+    def after_step(self, step: "Step") -> None:
+        """Every action of the step ran, on every worker of this process: finish what the hook started."""
+
+    def abort(self, step: "Step") -> None:
+        """The step failed (here or elsewhere): leave nothing half done. Must not raise."""
+
+
+class Progress:
+    """The action a driver is running (for failure messages): None before the first and after the last."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: Optional[Action] = None
+
+
+def drive(step: "Step", actions: Sequence[Action], progress: Optional[Progress] = None) -> None:
+    """Runs ``actions`` of ``step`` in order on the calling thread, calling the stage hooks after each stage's
+    last backward.
+
+    Raises:
+        Aborted: another action of the step failed first.
+        BaseException: what an action raised; the step's transport is aborted first, so every waiting
+            action of the step ends.
+    """
+    transport = step.transport
+    lasts = step.plan.last_backward if step.hooks else {}
+    try:
+        for action in actions:
+            if transport.aborted:
+                raise Aborted(f"stopped before {action}: another action of the step failed")
+            if progress is not None:
+                progress.current = action
+            stage.run(step, action)
+            if action in lasts:
+                for hook in step.hooks:
+                    hook.after_last_backward(step, action.stage)
+        if progress is not None:
+            progress.current = None
+    except BaseException:
+        transport.abort()
+        raise
+
+
+@contextlib.contextmanager
+def lifecycle(step: "Step") -> Generator[None, None, None]:
+    """Calls the stage hooks' ``before_step`` on entry, ``after_step`` when the block ends well, and every
+    hook's ``abort`` when anything raises (then re-raises): also a hook whose ``before_step`` did not run,
+    which must then still do what its peers expect of it in this step."""
+    hooks = step.hooks
+    if not hooks:
+        yield
+        return
+    try:
+        for hook in hooks:
+            hook.before_step(step)
+        yield
+        for hook in hooks:
+            hook.after_step(step)
+    except BaseException:
+        for hook in hooks:
+            hook.abort(step)
+        raise

@@ -1,0 +1,60 @@
+"""A Pipeline step in one process: the mini-batch split into micro-batches, the schedule run on the workers."""
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from torchpipe import microbatch, transfer
+from torchpipe.runtime.loss import Loss, loss_weights, split_target
+from torchpipe.runtime.runner import Runner
+from torchpipe.runtime.step import Step
+from torchpipe.types import TensorOrTensors
+
+__all__ = ["run_step", "run_forward"]
+
+
+def run_step(
+    runner: Runner,
+    input: Optional[TensorOrTensors],
+    target: Optional[TensorOrTensors],
+    *,
+    chunks: int,
+    loss_fn: Optional[Callable[..., Tensor]],
+    reduction: str,
+    training: bool,
+    module_training: bool,
+    checkpoint_stop: Callable[[int], int],
+) -> Tensor:
+    """Runs one mini-batch, forward and (when ``training``) backward; returns the loss, without graph."""
+    if input is None:
+        raise ValueError("step() needs the mini-batch's input (a tensor or a tuple of tensors)")
+    microbatch.check_input(input)
+    input = transfer.move(input, runner.devices[0])
+    batches = microbatch.scatter(input, chunks)
+    sizes = [b.values[0].size(0) for b in batches]
+    loss = Loss(loss_fn, split_target(target, runner.devices[-1], sizes), loss_weights(sizes, reduction))
+    step = Step(
+        runner, batches, grad_enabled=training, training=module_training,
+        checkpoint_stop=checkpoint_stop(len(batches)), loss=loss,
+    )
+    if training:
+        runner.run(step)
+        step.backward_input((input,) if isinstance(input, Tensor) else tuple(input))
+    else:
+        runner.run_forward(step)
+    losses = [value for value in step.losses if value is not None]
+    return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+
+
+def run_forward(
+    runner: Runner, input: Optional[TensorOrTensors], *, chunks: int, module_training: bool
+) -> TensorOrTensors:
+    """Runs the forward alone, without grad; returns the module's output on the last stage's device."""
+    if input is None:
+        raise ValueError("a Pipeline's forward needs the input")
+    microbatch.check_input(input)
+    input = transfer.move(input, runner.devices[0])
+    batches = microbatch.scatter(input, chunks)
+    with torch.no_grad():
+        step = Step(runner, batches, grad_enabled=False, training=module_training, checkpoint_stop=0)
+        return microbatch.gather(runner.run_forward(step))
