@@ -31,11 +31,16 @@ def test_duplicate_children_are_rejected() -> None:
         GPipe(nn.Sequential(layer, layer), [1, 1], devices=["cpu", "cpu"])
 
 
-def test_shared_parameters_are_rejected() -> None:
-    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
-    b.weight = a.weight
-    with pytest.raises(ValueError, match="duplicate parameters"):
+def test_shared_buffers_are_rejected_shared_parameters_are_ties() -> None:
+    # Layers sharing a parameter (tied weights) are accepted since issue 17 (tests/test_ties.py); a shared buffer
+    # could not be kept equal between copies, and stays an error.
+    a, b = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+    b.running_mean = a.running_mean
+    with pytest.raises(ValueError, match="buffer shared by distinct children"):
         GPipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])
+    c, d = nn.Linear(2, 2), nn.Linear(2, 2)
+    d.weight = c.weight
+    GPipe(nn.Sequential(c, d), [1, 1], devices=["cpu", "cpu"])
 
 
 def test_missing_balance_points_at_torchpipe_balancing() -> None:

@@ -10,16 +10,18 @@ from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.microbatch import Batch
 from torchpipe.partition import (
     BalanceError,
+    cut,
     moving_denied,
     names_a_device,
+    place,
     resolve_devices,
-    split_module,
     verify_balance,
     verify_module,
 )
 from torchpipe.runtime import Runner, Step
 from torchpipe.runtime.boundary import is_differentiable
 from torchpipe.runtime.function import Layout, PipelineFunction
+from torchpipe.runtime.ties import find_ties, retie, shared_stages, untie_devices
 from torchpipe.schedule import gpipe
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
@@ -98,7 +100,12 @@ class GPipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm: bool = deferred_batch_norm
-        self.partitions, self._offsets = split_module(module, balance, resolved)
+        # Layers may share a parameter across partitions (see [Note: tied parameters]).
+        ties = find_ties(module, balance)
+        cuts = cut(module, balance)
+        untie_devices(cuts, resolved, ties)
+        self.partitions = nn.ModuleList([place(stage, device) for stage, device in zip(cuts, resolved)])
+        copies = retie(list(self.partitions), ties)
         stages = self._sequentials()
         self._runner = Runner(
             stages,
@@ -110,6 +117,8 @@ class GPipe(nn.Module):
             inline_backward=True,
             noun="partition",
         )
+        self._runner.share(shared_stages(stages, ties))
+        self._runner.tied_copies = [group for group in copies if len(group) > 1]
 
     # --- container protocol over the original layers ---------------------------------------------
 

@@ -2,7 +2,7 @@
 import numbers
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -11,7 +11,7 @@ from torchpipe.stream import as_device
 from torchpipe.types import Device
 
 __all__ = [
-    "BalanceError", "verify_module", "verify_balance", "resolve_devices", "cut", "place", "split_module",
+    "BalanceError", "verify_module", "verify_balance", "resolve_devices", "cut", "place",
     "names_a_device", "moving_denied",
 ]
 
@@ -25,7 +25,7 @@ def verify_module(module: nn.Module) -> None:
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: it holds the same child twice, or children share a parameter.
+        ValueError: it holds the same child twice, or children share a buffer.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
@@ -39,17 +39,20 @@ def verify_module(module: nn.Module) -> None:
     if repeated:
         where = "; ".join(", ".join(names) for names in repeated)
         raise ValueError(f"module with duplicate children is not supported (the same layer at positions {where})")
+    # Layers may share a parameter (see [Note: tied parameters]), not a buffer: a buffer's updates (BatchNorm's
+    # running statistics) could not be kept equal between copies on different devices or ranks.
     owners: Dict[int, str] = {}
     for name, child in module._modules.items():
         if child is None:
             continue
-        for param in child.parameters():
-            if id(param) in owners and owners[id(param)] != name:
+        for buffer in child.buffers():
+            if id(buffer) in owners and owners[id(buffer)] != name:
                 raise ValueError(
-                    f"module with duplicate parameters on distinct children is not supported "
-                    f"(layers {owners[id(param)]} and {name} share a parameter of shape {tuple(param.shape)})"
+                    f"module with a buffer shared by distinct children is not supported (layers "
+                    f"{owners[id(buffer)]} and {name} share a buffer of shape {tuple(buffer.shape)}); give each "
+                    "layer its own (layers may share parameters)"
                 )
-            owners[id(param)] = name
+            owners[id(buffer)] = name
 
 
 def verify_balance(module: nn.Sequential, balance: Optional[Sequence[int]]) -> List[int]:
@@ -159,19 +162,6 @@ def place(stage: nn.Module, device: torch.device) -> nn.Module:
             stacklevel=3,
         )
     return stage
-
-
-def split_module(
-    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
-) -> Tuple[nn.ModuleList, List[int]]:
-    """Cuts ``module`` into ``len(balance)`` Sequentials of consecutive layers, each placed on its device.
-
-    Layers keep their names, so ``partitions[j].<name>`` is the original layer.
-    Returns the partitions and the index of each one's first layer.
-    """
-    stages = [place(stage, device) for stage, device in zip(cut(module, balance), devices)]
-    offsets = [sum(balance[:j]) for j in range(len(balance))]
-    return nn.ModuleList(stages), offsets
 
 
 def names_a_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

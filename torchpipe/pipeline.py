@@ -11,6 +11,8 @@ from torchpipe import microbatch, trace
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.distributed.channel import Channel, PipelineError
+from torchpipe.distributed.mesh import parse_mesh
+from torchpipe.distributed.setup import connect_stages
 from torchpipe.distributed.state import gather_bytes, gather_state
 from torchpipe.distributed.step import run_step
 from torchpipe.partition import (
@@ -23,6 +25,7 @@ from torchpipe.partition import (
     verify_module,
 )
 from torchpipe.runtime import Runner, local, weight_grad
+from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.schedule import Schedule
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
@@ -107,6 +110,8 @@ class Pipeline(nn.Module):
         devices: Optional[Sequence[Device]] = None,
         group: Any = None,
         deferred_batch_norm: bool = False,
+        mesh: Any = None,
+        data_parallel: Optional[str] = None,
     ) -> None:
         super().__init__()
         chunks = microbatch.verify_chunks(chunks)
@@ -118,6 +123,9 @@ class Pipeline(nn.Module):
         if not balance:
             raise ValueError("a Pipeline needs at least one stage; the module is empty")
         verify_skippables(module)
+        on_mesh = parse_mesh(mesh, data_parallel, group)
+        if on_mesh is not None:
+            group = on_mesh.pipeline
         ranks = None
         if group is not None and dist.is_available() and dist.is_initialized():
             ranks = dist.get_world_size(group)
@@ -136,7 +144,12 @@ class Pipeline(nn.Module):
             device = _rank_device(devices)
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # NCCL and the caching allocator follow the current device
-            self._channel = Channel(group, device, timeout=datetime.timedelta(minutes=30))
+            self._channel = Channel(
+                group, device, timeout=datetime.timedelta(minutes=30),
+                mesh_ranks=None if on_mesh is None else on_mesh.ranks,
+                replica=0 if on_mesh is None else on_mesh.replica,
+                replicas=1 if on_mesh is None else on_mesh.replicas,
+            )
             if self._channel.size != workers:
                 raise ValueError(
                     f"the schedule has {workers} workers but the process group has {self._channel.size} ranks; "
@@ -159,14 +172,18 @@ class Pipeline(nn.Module):
         self.deferred_batch_norm = deferred_batch_norm
         self.schedule_name = plan(chunks).name
         self._layer_index = {name: k for k, name in enumerate(module._modules)}
-        # Each process builds and keeps only its own stages (on the meta device, see partition.place).
+        # Each process builds and keeps only its own stages (on the meta device, see partition.place); layers
+        # of several stages may share a parameter (see [Note: tied parameters]).
+        ties = find_ties(module, balance)
         all_stages = cut(module, balance)
         layout = inspect_skip_layout(all_stages)
+        untie_devices(all_stages, stage_devices, ties)
         stages: List[Optional[nn.Sequential]] = [
             cast(nn.Sequential, place(stage, stage_devices[s])) if s in local else None
             for s, stage in enumerate(all_stages)
         ]
         del all_stages
+        copies = retie(stages, ties)
         # The layers are this module's children under their own names, so that state_dict() has the plain
         # module's keys ('3.weight') and parameters() are the layers'.
         for stage in stages:
@@ -175,7 +192,14 @@ class Pipeline(nn.Module):
                     raise ValueError(f"a layer named {name!r} clashes with an attribute of Pipeline; rename it")
                 self.add_module(name, layer)
         self._stages = stages
+        self._ties = ties
         self._runner = Runner(stages, stage_devices, plan, stage_workers, worker_devices, layout)
+        self._runner.share(shared_stages(stages, ties))
+        if self._channel is None:
+            if any(len(group) > 1 for group in copies):
+                self._runner.hooks.append(TiedCopies(copies))
+        else:
+            connect_stages(self._runner, self._channel, ties, copies, on_mesh)
 
     @property
     def stages(self) -> List[Optional[nn.Sequential]]:

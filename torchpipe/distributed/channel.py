@@ -9,15 +9,24 @@ tensors), so that nothing it sends can mix with the caller's collectives.
 through the ``torch.distributed`` store, where every wait is a short poll that
 also looks for a failure:
 
-- ``start/<n>``: the first stage's rank publishes step ``n``'s shape (the
-  micro-batch sizes, and whether it trains) and every other rank waits for it;
+- ``start/<n>/<replica>``: the first stage's rank of each replica publishes
+  step ``n``'s shape (the micro-batch sizes, and whether it trains) and every
+  other rank waits for it (for every replica's, when replicas weigh their
+  losses by the total number of samples);
 - ``failed/<n>``: the first rank whose step fails writes who failed, in which
-  action, and why; every wait of every rank checks it, so every rank ends the
-  step within a poll interval (a rank that dies is noticed by its neighbours,
-  whose receives fail, and they write it);
+  action, and why; every wait of every rank of every replica checks it, so
+  every rank ends the step within a poll interval (a rank that dies is noticed
+  by its neighbours, whose receives fail, and they write it);
+- ``ready/<n>`` and ``fate/<n>``: before a step with collectives between
+  replicas (or between the holders of a tied parameter), the ranks agree that
+  every one of them will run it (:meth:`Channel.commit`);
 - ``done/<n>/<rank>``: each rank's step is over; a rank returns only when
   every rank is done (or one failed), so a step ends the same way everywhere;
-- ``loss/<n>``: the loss, from the last stage's rank to every rank.
+- ``loss/<n>/<replica>``: each replica's loss, from its last stage's rank to every rank.
+
+A multi-process pipeline of a mesh's replica shares the store's keys (and so
+its failures and ends of steps) with every replica, and has process groups
+of its own for its stages' messages.
 
 Keys of old steps are deleted as steps go.
 """
@@ -69,7 +78,16 @@ class Channel:
             a dead peer ends sooner, when its connection closes).
     """
 
-    def __init__(self, group: Any, device: torch.device, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self,
+        group: Any,
+        device: torch.device,
+        timeout: datetime.timedelta,
+        *,
+        mesh_ranks: Optional[Sequence[int]] = None,
+        replica: int = 0,
+        replicas: int = 1,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Pipeline(group=...) needs torch.distributed to be initialised: call "
@@ -81,32 +99,56 @@ class Channel:
         if self.rank < 0:
             raise ValueError("this process is not a member of the group it passed to Pipeline(group=...)")
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
+        #: Every rank whose steps succeed or fail together: the pipeline's, or the whole mesh's (all replicas).
+        self.mesh_ranks = tuple(mesh_ranks) if mesh_ranks is not None else self.global_ranks
+        self.index = self.mesh_ranks.index(dist.get_rank())
+        self.count = len(self.mesh_ranks)
+        #: This pipeline's replica (its index along a mesh's 'dp' dimension) and the number of replicas.
+        self.replica = replica
+        self.replicas = replicas
         with _instances_lock:
-            number = next(_instances.setdefault(self.global_ranks, itertools.count()))
-        self.prefix = f"torchpipe/{'-'.join(map(str, self.global_ranks))}/{number}/"
+            number = next(_instances.setdefault(self.mesh_ranks, itertools.count()))
+        self.prefix = f"torchpipe/{'-'.join(map(str, self.mesh_ranks))}/{number}/"
         self.store: Any = PrefixStore(self.prefix, _default_store())
         self.device = device
+        self.timeout = timeout
         #: Headers and CPU tensors (gloo); CUDA tensors go through ``data`` (NCCL), or the same group on CPU.
-        self.control: Any = ProcessGroupGloo(PrefixStore("control", self.store), self.rank, self.size, timeout)
-        if device.type == "cuda":
-            if ProcessGroupNCCL is None:
-                raise RuntimeError("a CUDA pipeline across processes needs PyTorch built with NCCL; this one is not")
-            options = ProcessGroupNCCL.Options()
-            self.data: Any = ProcessGroupNCCL(PrefixStore("data", self.store), self.rank, self.size, options)
-        else:
-            self.data = self.control
+        self.control, self.data = self._groups(f"pipeline/{replica}", self.rank, self.size)
         self.sequence = 0
+        #: Whether training steps start collectives between ranks (data-parallel or tied-copy reductions): then
+        #: every rank commits to each step first (see :meth:`commit`). The same on every rank.
+        self.collectives = False
         #: The layout of each message the last time it crossed, by (source rank, target rank, edge) (see
         #: [Note: expected layouts] in torchpipe/distributed/transport.py).
         self.layouts: Dict[Tuple[int, int, Any], Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]] = {}
+
+    def _groups(self, name: str, rank: int, size: int) -> Tuple[Any, Any]:
+        """Process groups of this pipeline's own, named ``name`` (every member passes the same name): gloo for
+        headers and CPU tensors, and NCCL for CUDA tensors (the gloo group again on CPU)."""
+        store = PrefixStore(name + "/", self.store)
+        control: Any = ProcessGroupGloo(PrefixStore("control", store), rank, size, self.timeout)
+        if self.device.type != "cuda":
+            return control, control
+        if ProcessGroupNCCL is None:
+            raise RuntimeError("a CUDA pipeline across processes needs PyTorch built with NCCL; this one is not")
+        options = ProcessGroupNCCL.Options()
+        return control, ProcessGroupNCCL(PrefixStore("data", store), rank, size, options)
+
+    def subgroup(self, name: str, members: Sequence[Any], me: Any) -> Any:
+        """A process group of this pipeline's own among ``members`` (made by them alone, each passing the same
+        ``name`` and ``members``, and itself as ``me``): NCCL for CUDA tensors, gloo on CPU."""
+        return self._groups(name, list(members).index(me), len(members))[1]
 
     def next_sequence(self) -> int:
         """The number of the next step (or other collective call) of this pipeline; the same on every rank."""
         self.sequence += 1
         old = self.sequence - 3
         if old > 0:  # forget old steps' keys (this rank's own)
-            for key in (f"start/{old}", f"loss/{old}", f"failed/{old}", f"done/{old}/{self.rank}",
-                        f"left/{old}/{self.rank}"):
+            keys = [f"start/{old}/{self.replica}", f"loss/{old}/{self.replica}", f"failed/{old}",
+                    f"done/{old}/{self.index}", f"left/{old}/{self.index}"]
+            if self.index == 0:
+                keys += [f"ready/{old}", f"fate/{old}"]
+            for key in keys:
                 try:
                     self.store.delete_key(key)
                 except RuntimeError:  # pragma: no cover - a store without delete: keys stay
@@ -117,12 +159,9 @@ class Channel:
 
     def fail(self, sequence: int, message: str) -> None:
         """Records the step's failure, unless another rank's was recorded first."""
-        key = f"failed/{sequence}"
-        try:
-            # compare_set keeps the first failure: later ones (echoes of it) do not overwrite it.
-            self.store.compare_set(key, "", message)
-        except RuntimeError:  # the store's host died: nothing to record in
-            pass
+        # compare_set keeps the first failure: later ones (echoes of it) do not overwrite it.
+        self._decide(f"failed/{sequence}", message)
+        self._decide(f"fate/{sequence}", "abort")  # no-op after a commit (see commit)
 
     def failure(self, sequence: int) -> Optional[str]:
         """The recorded failure of step ``sequence``, if any."""
@@ -142,43 +181,90 @@ class Channel:
     # --- the control plane ------------------------------------------------------------------------------
 
     def publish(self, sequence: int, key: str, values: Sequence[float]) -> None:
+        """Publishes ``values`` under ``key`` for step ``sequence``, for this replica's ranks (and the others')."""
         # Floats as hexadecimal text: exact, and the store's typed API takes text.
-        self.store.set(f"{key}/{sequence}", " ".join(float(v).hex() for v in values))
+        self.store.set(f"{key}/{sequence}/{self.replica}", " ".join(float(v).hex() for v in values))
 
-    def _wait(self, sequence: int, keys: List[str]) -> None:
-        """Waits until ``keys`` are in the store, looking for a failure of step ``sequence`` as it waits.
+    def _wait(self, sequence: int, keys: List[str], keys_first: bool = False) -> None:
+        """Waits until ``keys`` are in the store, looking for a failure of step ``sequence`` as it waits
+        (before looking for the keys; after, with ``keys_first``: what is there is taken even if the step
+        failed since).
 
         It looks often at first, then every few milliseconds (the store's own
         timed wait would do, but logs a warning each time it times out).
         """
         pause = 0.0002
         while True:
-            self.raise_failure(sequence)
+            if not keys_first:
+                self.raise_failure(sequence)
             try:
                 if self.store.check(keys):
                     return
             except RuntimeError as exc:
                 raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
+            if keys_first:
+                self.raise_failure(sequence)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
-    def wait_for(self, sequence: int, key: str) -> List[float]:
-        """The values published under ``key`` for step ``sequence``, once they are there (or a failure)."""
-        name = f"{key}/{sequence}"
-        self._wait(sequence, [name])
+    def wait_for(self, sequence: int, key: str, replica: Optional[int] = None) -> List[float]:
+        """The values published under ``key`` for step ``sequence`` by a rank of ``replica`` (default: this
+        one's), once they are there (or a failure)."""
+        name = f"{key}/{sequence}/{self.replica if replica is None else replica}"
+        # Keys first: a rank that published the step's start and then failed at once has sent, or will send,
+        # abort messages to this one, whose step must then start and take them (see [Note: abort messages]).
+        self._wait(sequence, [name], keys_first=True)
         return _parse(self.store.get(name))
 
-    def done(self, sequence: int, read: Sequence[str] = ()) -> Dict[str, List[float]]:
+    def commit(self, sequence: int) -> None:
+        """Returns once every rank (of every replica) will run step ``sequence``; raises if one failed first.
+
+        Collectives between ranks (data-parallel reductions, tied copies' sums)
+        may start only when every rank will issue them: a rank that had failed
+        before would never issue its share, and its peers would wait forever
+        (or pair the next step's collectives with this one's). So the ranks
+        agree on the step's fate first, in the store, atomically: the last rank
+        to arrive decides "commit", a failure recorded before decides "abort"
+        (:meth:`fail`), whichever comes first. After a commit, a failure ends
+        the step on every rank all the same, and each still issues the
+        collectives it owes (see [Note: stage lifecycle]).
+
+        Raises:
+            PipelineError: a rank failed before every rank arrived.
+        """
+        fate = f"fate/{sequence}"
+        if int(self.store.add(f"ready/{sequence}", 1)) == self.count:
+            self._decide(fate, "commit")
+        pause = 0.0002
+        while True:
+            try:
+                if self.store.check([fate]):
+                    break
+            except RuntimeError as exc:
+                raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        if bytes(self.store.get(fate)) != b"commit":
+            raise PipelineError(self.failure(sequence) or "another rank's step failed")
+
+    def _decide(self, key: str, value: str) -> None:
+        try:
+            self.store.compare_set(key, "", value)  # the first decision stands
+        except RuntimeError:  # the store's host died: the waits will say so
+            pass
+
+    def done(self, sequence: int, read: Sequence[str] = ()) -> Dict[str, List[List[float]]]:
         """Marks this rank's step over and waits until every rank's is (raising if one failed meanwhile).
 
-        Returns the values published under the keys ``read``, read before this
-        rank is through with the store for the step (see [Note: leaving the store]).
+        Returns, per key of ``read``, the values every replica published under it (a list per replica), read
+        before this rank is through with the store for the step (see [Note: leaving the store]).
         """
-        self.store.set(f"done/{sequence}/{self.rank}", "1")
-        names = [f"{key}/{sequence}" for key in read]
-        self._wait(sequence, [f"done/{sequence}/{r}" for r in range(self.size)] + names)
+        self.store.set(f"done/{sequence}/{self.index}", "1")
+        names = {key: [f"{key}/{sequence}/{r}" for r in range(self.replicas)] for key in read}
+        waited = [f"done/{sequence}/{r}" for r in range(self.count)] + [n for ns in names.values() for n in ns]
+        self._wait(sequence, waited)
         try:
-            values = {key: _parse(self.store.get(name)) for key, name in zip(read, names)}
+            values = {key: [_parse(self.store.get(n)) for n in ns] for key, ns in names.items()}
         except RuntimeError as exc:
             raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
         self._leave(sequence)
@@ -192,10 +278,10 @@ class Channel:
         # says when it has read all it needs of the step, and rank 0 waits for that before it returns.
         # A rank that dies in between is not waited for long: the step itself succeeded, and the next
         # one will find the dead rank.
-        if self.rank != 0:
-            self.store.set(f"left/{sequence}/{self.rank}", "1")
+        if dist.get_rank() != 0:
+            self.store.set(f"left/{sequence}/{self.index}", "1")
             return
-        keys = [f"left/{sequence}/{r}" for r in range(1, self.size)]
+        keys = [f"left/{sequence}/{r}" for r in range(self.count) if r != self.index]
         deadline = time.monotonic() + _LEAVE_SECONDS
         pause = 0.0002
         while time.monotonic() < deadline:

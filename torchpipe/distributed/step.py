@@ -15,11 +15,12 @@ import torch
 from torch import Tensor
 
 from torchpipe import microbatch, transfer
+from torchpipe.distributed import wire
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.transport import DistributedTransport
 from torchpipe.microbatch import Batch
 from torchpipe.runtime import Runner, Step
-from torchpipe.runtime.driver import Progress, drive, lifecycle
+from torchpipe.runtime.driver import Progress, abort, begin, drive, end
 from torchpipe.runtime.loss import Loss, loss_weights, split_target
 from torchpipe.runtime.transport import Aborted
 from torchpipe.types import TensorOrTensors
@@ -56,12 +57,16 @@ def run_step(
         checkpoint_stop: the checkpointed micro-batches for a number of micro-batches.
         loss: ``(loss_fn, target, reduction)`` for a step with a loss; the target is read on the last stage's
             rank only.
+
+    With data-parallel replicas (a mesh), each replica's first stage reads its
+    own mini-batch; a ``'mean'`` loss weighs every sample of every replica
+    equally, and every rank returns the loss over all replicas' samples.
     """
     sequence = channel.next_sequence()
     rank = channel.rank
     first, last = runner.stage_workers[0], runner.stage_workers[-1]
-    batches: List[Optional[Batch]]
     inputs: Tuple[Tensor, ...] = ()
+    batches: List[Optional[Batch]]
     if rank == first:
         try:
             if input is None:
@@ -71,26 +76,30 @@ def run_step(
             inputs = (input,) if isinstance(input, Tensor) else tuple(input)
             split = microbatch.scatter(input, chunks)
         except BaseException as exc:
-            channel.fail(sequence, f"rank {rank} could not split its input: {type(exc).__name__}: {exc}")
+            channel.fail(sequence, f"rank {_who(channel)} could not split its input: {type(exc).__name__}: {exc}")
             raise
         sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
         channel.publish(sequence, "start", [float(len(split)), float(training)] + sizes)
         batches = list(split)
-    else:
-        values = channel.wait_for(sequence, "start")
-        count, remote_training, sizes = int(values[0]), bool(values[1]), values[2:]
-        if remote_training != training:
+    # Every replica's shape: this one's to run, the others' for the total number of samples.
+    replicas = range(channel.replicas) if channel.replicas > 1 else [channel.replica]
+    shapes = {r: channel.wait_for(sequence, "start", replica=r) for r in replicas}
+    for r, values in shapes.items():
+        if bool(values[1]) != training:
+            where = f"rank {first}, the first stage's" + (f", of replica {r}" if channel.replicas > 1 else "")
             message = (
-                f"rank {rank} runs {_describe(training)} but rank {first}, the first stage's, runs "
-                f"{_describe(remote_training)}: call step() in the same mode (train/eval, grad enabled) everywhere"
+                f"rank {_who(channel)} runs {_describe(training)} but {where}, runs {_describe(bool(values[1]))}: "
+                "call step() in the same mode (train/eval, grad enabled) everywhere"
             )
             channel.fail(sequence, message)
             raise ValueError(message)
-        batches = [None] * count
-    counts = [int(n) for n in sizes]
+    counts = [int(n) for n in shapes[channel.replica][2:]]
+    if rank != first:
+        batches = [None] * len(counts)
+    total = sum(int(n) for values in shapes.values() for n in values[2:])
     step_loss: Optional[Loss] = None
     if loss is not None:
-        step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2]))
+        step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
     step = Step(
         runner, batches, grad_enabled=training, training=module_training,
         checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
@@ -98,33 +107,45 @@ def run_step(
     plan = step.plan.schedule if training else step.plan.forward
     step.transport = transport = DistributedTransport(channel, sequence, plan, runner.skip_layout, devices)
     progress = Progress()
+    committed = False
     try:
         if loss is not None and step_loss is not None and rank == last:
-            targets = split_target(loss[1], devices[-1], counts)
-            step.loss = step_loss = step_loss._replace(targets=targets)
-        with lifecycle(step):
-            drive(step, plan.workers[rank], progress)
-            transport.finish()
+            step.loss = step_loss = step_loss._replace(targets=split_target(loss[1], devices[-1], counts))
+        if channel.collectives and training and step_loss is not None:
+            # The stage hooks start collectives between ranks (replicas, tied copies): every rank must run the
+            # step to its end, or none (see [Note: stage lifecycle]).
+            channel.commit(sequence)
+        committed = True
+        begin(step)
+        drive(step, plan.workers[rank], progress)
+        transport.finish()
+        end(step)
         if rank == last and step_loss is not None:
             value = float(sum(float(v) for v in step.losses if v is not None))
-            channel.publish(sequence, "loss", [value])
+            dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
+            channel.publish(sequence, "loss", [value, float(wire.DTYPES.index(dtype))])
         published = channel.done(sequence, read=["loss"] if step_loss is not None else [])
         if training and inputs:
             step.backward_input(inputs)
-    except (PipelineError, Aborted) as exc:
+    except BaseException as exc:
+        if not isinstance(exc, (PipelineError, Aborted)):  # this rank's own failure: the others learn it first
+            where = f"action {progress.current}" if progress.current is not None else "its step"
+            channel.fail(sequence, f"rank {_who(channel)} failed in {where}: {type(exc).__name__}: {exc}")
         transport.fail()
+        if committed:
+            abort(step)  # the collectives this rank still owes, before it leaves the step
         if isinstance(exc, Aborted):
             channel.raise_failure(sequence)
         raise
-    except BaseException as exc:
-        where = f"action {progress.current}" if progress.current is not None else "its step"
-        channel.fail(sequence, f"rank {rank} failed in {where}: {type(exc).__name__}: {exc}")
-        transport.fail()
-        raise
     result: Optional[Tensor] = None
     if step_loss is not None:
-        (value,) = published["loss"]
-        dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
+        value = sum(values[0] for values in published["loss"])
+        dtype = wire.DTYPES[int(published["loss"][0][1])]
         result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs
+
+
+def _who(channel: Channel) -> str:
+    """This rank, as failure messages name it: its rank in the pipeline, and its replica's index on a mesh."""
+    return f"{channel.rank}" if channel.replicas == 1 else f"{channel.rank} of replica {channel.replica}"

@@ -33,6 +33,7 @@ process groups are as good as new for the next step. Only a rank that died
 leaves its connections closed: its peers' receives fail at once (that is how
 its death is noticed), and the job has to be restarted.
 """
+import datetime
 import threading
 import time
 from typing import Any, Dict, List, Sequence, Tuple
@@ -247,9 +248,11 @@ class DistributedTransport:
         deadline = time.monotonic() + 10.0
         for _, works, _ in self._pending:
             for work in works:
+                # A send completes when the peer receives it. A peer that failed before it made its transport
+                # (it disagreed on the step's mode, say) never will: give up on it after a while.
                 try:
-                    work.wait()
-                except RuntimeError:  # a dead peer
+                    work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                except RuntimeError:  # a dead peer, or the time is up
                     pass
         self._pending.clear()
         for thread in self._threads:
@@ -309,6 +312,9 @@ class DistributedTransport:
         return posted
 
     def _put_failure(self, failure: _PeerFailed) -> None:
+        if failure.died:  # news: record it now, so that ranks waiting in the store (not for messages) learn it too
+            self.channel.fail(self.sequence, failure.message)
+
         def error() -> BaseException:
             self._aborted = True
             if failure.died:

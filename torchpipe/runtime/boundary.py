@@ -10,6 +10,8 @@ runs a backward on the thread that calls it, so one big graph would run the
 whole backward on one thread), makes checkpointing simple (a recomputation runs
 the stage again from the same leaves), and is what one process per stage needs.
 """
+import contextlib
+import threading
 from contextlib import contextmanager
 from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
@@ -78,9 +80,12 @@ def alias(leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
 
 
 @contextmanager
-def own_gradients(params: Sequence[Tensor]) -> Generator[List[Optional[Tensor]], None, None]:
+def own_gradients(
+    params: Sequence[Tensor], locks: Sequence[threading.Lock] = ()
+) -> Generator[List[Optional[Tensor]], None, None]:
     """Runs a backward that leaves ``params``' ``.grad`` and hooks as they were; yields, filled after the
-    block, the gradient the block accumulated into each parameter (None: none).
+    block, the gradient the block accumulated into each parameter (None: none). ``locks`` are held for the
+    block: one per parameter that another worker's stage shares (see [Note: tied parameters]).
 
     [Note: parameter gradients] A GPipe stage's backward of one micro-batch
     accumulates into every leaf of its graph as usual (its input leaves, and
@@ -92,8 +97,19 @@ def own_gradients(params: Sequence[Tensor]) -> Generator[List[Optional[Tensor]],
     whole gradient, as without GPipe. So for the block each parameter's
     ``.grad`` is set aside and its hooks are silenced (emptied in place, the
     engine reads them from the same dict), then both are put back. Only the
-    stage's own worker runs its backward, so nothing else sees the swap.
+    stage's own worker runs its backward, so nothing else sees the swap, but
+    for a parameter tied to another worker's stage, whose backward waits for
+    the lock.
     """
+    with contextlib.ExitStack() as held:
+        for lock in locks:
+            held.enter_context(lock)
+        with _swapped(params) as found:
+            yield found
+
+
+@contextmanager
+def _swapped(params: Sequence[Tensor]) -> Generator[List[Optional[Tensor]], None, None]:
     saved_grads = [p.grad for p in params]
     muted: List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]] = []
     for param in params:

@@ -27,7 +27,7 @@ from torchpipe.schedule import Action
 if TYPE_CHECKING:
     from torchpipe.runtime.step import Step
 
-__all__ = ["StageHooks", "Progress", "drive", "lifecycle"]
+__all__ = ["StageHooks", "Progress", "drive", "lifecycle", "begin", "end", "abort"]
 
 
 class StageHooks:
@@ -89,22 +89,36 @@ def drive(step: "Step", actions: Sequence[Action], progress: Optional[Progress] 
         raise
 
 
+def begin(step: "Step") -> None:
+    """The step starts: every hook's ``before_step``."""
+    for hook in step.hooks:
+        hook.before_step(step)
+
+
+def end(step: "Step") -> None:
+    """The step's actions all ran: every hook's ``after_step``."""
+    for hook in step.hooks:
+        hook.after_step(step)
+
+
+def abort(step: "Step") -> None:
+    """The step failed: every hook's ``abort``, also a hook whose ``before_step`` did not run (it must still do
+    what its peers expect of it in this step)."""
+    for hook in step.hooks:
+        hook.abort(step)
+
+
 @contextlib.contextmanager
 def lifecycle(step: "Step") -> Generator[None, None, None]:
-    """Calls the stage hooks' ``before_step`` on entry, ``after_step`` when the block ends well, and every
-    hook's ``abort`` when anything raises (then re-raises): also a hook whose ``before_step`` did not run,
-    which must then still do what its peers expect of it in this step."""
-    hooks = step.hooks
-    if not hooks:
+    """:func:`begin` on entry, :func:`end` when the block ends well, :func:`abort` when anything raises (then
+    re-raises). Across processes the step records its failure in the store first, so it calls them itself."""
+    if not step.hooks:
         yield
         return
     try:
-        for hook in hooks:
-            hook.before_step(step)
+        begin(step)
         yield
-        for hook in hooks:
-            hook.after_step(step)
+        end(step)
     except BaseException:
-        for hook in hooks:
-            hook.abort(step)
+        abort(step)
         raise

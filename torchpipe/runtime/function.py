@@ -7,6 +7,7 @@ from torch import Tensor
 from torchpipe import microbatch
 from torchpipe.microbatch import Batch
 from torchpipe.runtime.step import Step
+from torchpipe.runtime.ties import need_all_copies, sum_copies
 
 __all__ = ["PipelineFunction", "Layout", "split_grads"]
 
@@ -114,6 +115,9 @@ class PipelineFunction(torch.autograd.Function):
         edges = ctx.next_functions[layout.phony + len(layout.positions) :]
         needed = iter([_will_run(edge[0]) and not step.direct for edge in edges])
         step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
+        copies = step.runner.tied_copies
+        if copies:
+            need_all_copies(copies, step.stage_params, step.needed)
         step.param_grads = [[None] * len(stage) for stage in step.stage_params]
         per_microbatch = split_grads(grad_outputs, ctx.output_sizes)
         input_grads = step.runner.run_backward(step, per_microbatch)
@@ -129,6 +133,8 @@ class PipelineFunction(torch.autograd.Function):
                 p if p is not None else torch.zeros(c.shape, dtype=dtype, device=device) for p, c in zip(parts, chunks)
             ]
             joined.append(torch.cat(filled) if len(filled) > 1 else filled[0])
+        if copies:
+            sum_copies(copies, step.stage_params, step.param_grads)  # see [Note: tied parameters]
         param_grads = [g for sums in step.param_grads for g in sums]
         step.param_grads = None
         return (None, None, None, None, *([None] * layout.phony), *joined, *param_grads)

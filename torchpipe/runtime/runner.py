@@ -73,6 +73,11 @@ class Runner:
         self.inline_backward = inline_backward
         #: What runs at the points of each training step's lifecycle (see [Note: stage lifecycle]).
         self.hooks: List[StageHooks] = []
+        #: Per stage: the locks of its parameters that a stage of another worker shares, in one global order
+        #: (GPipe's backward holds them, see [Note: tied parameters]).
+        self.shared_locks: List[List[threading.Lock]] = [[] for _ in self.stages]
+        #: Per tied parameter with copies on several devices of this process: the copies.
+        self.tied_copies: List[List[nn.Parameter]] = []
         out = self.devices[-1] if self.devices else None
         #: [Note: backward threads] workers whose backward-phase actions run on the caller's (engine) thread.
         self.inline: FrozenSet[int] = frozenset(
@@ -85,12 +90,24 @@ class Runner:
         self._generation = -1
         self._renew()
 
+    def share(self, ties: Sequence[Sequence[int]]) -> None:
+        """Locks for the parameters that several workers' stages share: ``ties[k]`` lists the stages that hold
+        shared parameter ``k`` (one tensor on one device)."""
+        self._shared = [list(stages) for stages in ties]
+        self.shared_locks = [[] for _ in self.stages]
+        for stages in self._shared:
+            if len({self.stage_workers[s] for s in stages}) > 1:
+                lock = threading.Lock()
+                for s in stages:
+                    self.shared_locks[s].append(lock)
+
     def _renew(self) -> None:
         """Fresh locks (and, on first use, workers): at construction, and in a process forked from ours."""
         self._generation = fork_generation()
         self._lock = threading.Lock()
         self._phase_lock = threading.Lock()
         self._workers = None
+        self.share(getattr(self, "_shared", []))
 
     def _check_fork(self) -> None:
         if self._generation != fork_generation():  # see [Note: fork]
@@ -99,7 +116,7 @@ class Runner:
     def __getstate__(self) -> Dict[str, Any]:
         # Copies (deepcopy, pickle) get their own workers, streams and locks.
         state = self.__dict__.copy()
-        for name in ("_lock", "_phase_lock", "_workers", "_copy_streams", "_plans"):
+        for name in ("_lock", "_phase_lock", "_workers", "_copy_streams", "_plans", "shared_locks"):
             state.pop(name, None)
         return state
 

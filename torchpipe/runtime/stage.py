@@ -264,7 +264,7 @@ def backward(step: Step, action: Action) -> None:
     else:
         # GPipe: the module's parameters' gradients go to the caller (see [Note: parameter gradients]); a
         # tensor a layer uses from outside the module gets its gradient in .grad, as without GPipe.
-        with own_gradients(step.stage_params[s]) as param_grads:
+        with own_gradients(step.stage_params[s], step.runner.shared_locks[s]) as param_grads:
             torch.autograd.backward(roots, grads, retain_graph=keep)
         step.accumulate(s, param_grads)
         found = [x.grad if x.requires_grad else None for x in inputs]

@@ -17,7 +17,7 @@ Example::
     timeline.save_chrome_trace("timeline.json")   # chrome://tracing or ui.perfetto.dev
     timeline.save_png("timeline.png")             # forward, recompute, backward per partition
 """
-from torchpipe.trace.recorder import NOTHING, active, mark_end, mark_start, record_timeline, span
+from torchpipe.trace.recorder import NOTHING, active, mark_end, mark_start, record, record_timeline, span
 from torchpipe.trace.timeline import Span, Timeline
 
-__all__ = ["Span", "Timeline", "record_timeline", "span", "mark_start", "mark_end", "active", "NOTHING"]
+__all__ = ["Span", "Timeline", "record_timeline", "span", "record", "mark_start", "mark_end", "active", "NOTHING"]

@@ -7,7 +7,7 @@ from typing import ContextManager, Generator, List, Optional, Type
 
 from torchpipe.trace.timeline import Span, Timeline
 
-__all__ = ["record_timeline", "span", "mark_start", "mark_end", "active", "NOTHING"]
+__all__ = ["record_timeline", "span", "record", "mark_start", "mark_end", "active", "NOTHING"]
 
 
 _timelines: List[Timeline] = []
@@ -131,3 +131,15 @@ def mark_end() -> None:
     stack = _open.stack
     if stack and stack[-1].end is None:
         stack[-1].end = time.perf_counter()
+
+
+def record(kind: str, partition: int, microbatch: int, start: float, end: float) -> None:
+    """Adds a span that was timed elsewhere (``time.perf_counter`` seconds) to every active timeline: work that
+    runs in the background, such as a gradient reduction, from when it was started to when it was seen done."""
+    if not _timelines:
+        return
+    spanned = Span(kind, partition, microbatch, start, end, threading.current_thread().name)
+    with _timelines_lock:
+        targets = list(_timelines)
+    for timeline in targets:
+        timeline.add(spanned)

@@ -35,9 +35,14 @@ class Span:
 
     @property
     def label(self) -> str:
-        """The task as a schedule writes it: ``1F0`` is partition 1's forward of micro-batch 0 (``1C0`` a copy)."""
+        """The task as a schedule writes it: ``1F0`` is partition 1's forward of micro-batch 0 (``1C0`` a copy,
+        ``1reduce`` stage 1's gradient reduction)."""
         action = self.action
-        return str(action) if action is not None else f"{self.partition}C{self.microbatch}"
+        if action is not None:
+            return str(action)
+        if self.kind == "reduce":
+            return f"{self.partition}reduce"
+        return f"{self.partition}C{self.microbatch}"
 
     @property
     def action(self) -> Optional[Action]:

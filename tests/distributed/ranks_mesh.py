@@ -1,0 +1,161 @@
+"""What each rank runs in the tests of tied weights across ranks and of pipelines on a 2-D mesh (issue 16, 17)."""
+import copy
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tests.test_ties import lm_loss, tied_lm, tokens
+from torchpipe import Pipeline
+
+
+def mesh_of(dp: int, pp: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+
+
+def balance_for(layers: int, stages: int) -> List[int]:
+    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+
+
+def _compare(case: str, pipe: Pipeline, plain: nn.Module, problems: List[str], rtol: float = 1e-7) -> None:
+    """Every gradient this rank holds against the plain module's (by plain key, tied keys included)."""
+    expected = {name: p.grad for name, p in plain.named_parameters(remove_duplicate=False)}
+    for name, param in pipe.named_parameters(remove_duplicate=False):
+        want = expected[name]
+        if (param.grad is None) != (want is None):
+            problems.append(f"{case}: gradient of {name} is {param.grad} but the plain module's is {want}")
+        elif want is not None and not torch.allclose(_full(param.grad), want, rtol=rtol, atol=1e-9):
+            problems.append(f"{case}: gradient of {name} differs by {(_full(param.grad) - want).abs().max()}")
+
+
+def _full(tensor: Tensor) -> Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+def tied_across_ranks(rank: int, world: int) -> List[str]:
+    """The embedding on the first rank, the head (the same weight) on the last: every schedule, several Adam
+    steps; loss, every gradient and the copies' values equal the plain module's."""
+    problems: List[str] = []
+    for schedule in ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]:
+        stages = 2 * world if schedule == "interleaved_1f1b" else world
+        model = tied_lm(layers=stages * 2)
+        plain = copy.deepcopy(model)
+        if rank == world - 1:
+            with torch.no_grad():  # the last rank's copy starts elsewhere: the first holder's values win
+                model[-1].weight.add_(1.0)
+        pipe = Pipeline(model, balance_for(len(model), stages), chunks=3, schedule=schedule, loss_fn=lm_loss,
+                        group=dist.group.WORLD)
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+        reference = torch.optim.Adam(plain.parameters(), lr=0.05)
+        for step in range(3):
+            x, y = tokens(batch=5, seed=step)
+            loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+            expected = lm_loss(plain(x), y)
+            expected.backward()
+            if not torch.allclose(loss, expected.detach()):
+                problems.append(f"{schedule} step {step}: loss {loss.item()} != {expected.item()}")
+            _compare(f"{schedule} step {step}", pipe, plain, problems)
+            optimizer.step()
+            reference.step()
+            optimizer.zero_grad()
+            reference.zero_grad()
+        state = pipe.state_dict()
+        for key, value in plain.state_dict().items():
+            if key in state and not torch.allclose(state[key], value):
+                problems.append(f"{schedule}: after 3 steps {key} drifted from the plain module's")
+    return problems
+
+
+def _mesh_data(replica: int, step: int, sizes: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
+    return tokens(batch=sizes[replica], seed=100 * step + replica)
+
+
+def replicate_transparency(rank: int, world: int, mode: str, dp: int, pp: int) -> List[str]:
+    """dp replicas of a pp-stage pipeline: loss on every rank and every gradient equal the plain module's on the
+    concatenation of all replicas' batches (of different sizes), for several schedules, with gradients
+    accumulated over two steps, then after an optimizer step."""
+    mesh = mesh_of(dp, pp)
+    replica, position = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    problems: List[str] = []
+    for schedule, chunks in [("1f1b", 3), ("gpipe", 2), ("zero_bubble", 4)]:
+        model = tied_lm(layers=2 * pp)
+        plain = copy.deepcopy(model)
+        pipe = Pipeline(model, balance_for(len(model), pp), chunks=chunks, schedule=schedule, loss_fn=lm_loss,
+                        mesh=mesh, data_parallel=mode)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for round in range(2):
+            for step in range(2):  # two steps' gradients accumulate before the optimizer step
+                sizes = (5, 3, 4, 2)[:dp] if step == 0 else (2, 6, 1, 3)[:dp]
+                x, y = _mesh_data(replica, step + 2 * round, sizes)
+                loss = pipe.step(x if position == 0 else None, y if position == pp - 1 else None)
+                every = [_mesh_data(r, step + 2 * round, sizes) for r in range(dp)]
+                expected = lm_loss(plain(torch.cat([x for x, _ in every])), torch.cat([y for _, y in every]))
+                expected.backward()
+                case = f"{mode} {schedule} round {round} step {step}"
+                if not torch.allclose(loss, expected.detach()):
+                    problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
+                _compare(case, pipe, plain, problems)
+            optimizer.step()
+            reference.step()
+            optimizer.zero_grad()
+            reference.zero_grad()
+    return problems
+
+
+def failure_on_one_replica(rank: int, world: int, mode: str) -> Dict[str, Any]:
+    """A layer raises on one rank of replica 1: every rank of both replicas ends the step within seconds; the
+    next step works everywhere."""
+    mesh = mesh_of(2, 2)
+    replica, position = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+
+    class Fails(nn.Module):
+        failing = True
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.failing and replica == 1:
+                raise ValueError("layer failed on purpose")
+            return x
+
+    layers: List[nn.Module] = list(tied_lm(layers=2))
+    model = nn.Sequential(*layers[:3], Fails(), *layers[3:])
+    pipe = Pipeline(model, [3, 4], chunks=2, loss_fn=lm_loss, mesh=mesh, data_parallel=mode)
+    x, y = tokens(batch=4, seed=replica)
+    report: Dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        pipe.step(x if position == 0 else None, y if position == 1 else None)
+        report["raised"] = None
+    except BaseException as exc:  # noqa: B036 - reported
+        report["raised"] = type(exc).__name__
+        report["message"] = str(exc)
+    report["seconds"] = time.monotonic() - start
+    model[3].failing = False
+    pipe.zero_grad()
+    loss = pipe.step(x if position == 0 else None, y if position == 1 else None)
+    report["next step"] = bool(torch.isfinite(loss))
+    return report
+
+
+def bad_arguments(rank: int, world: int) -> List[str]:
+    """Bad meshes and data_parallel values are a ValueError on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    errors = []
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for mesh, mode in [
+        (init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), "zero"),
+        (init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "pipe")), "replicate"),
+        (init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)), "replicate"),
+    ]:
+        try:
+            Pipeline(model, [1, 1], mesh=mesh, data_parallel=mode)
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors

@@ -1,0 +1,66 @@
+"""What a rank's stages share with other ranks, set up when a multi-process Pipeline is made: replicas that start
+equal, tied copies that start equal, and the hooks that reduce their gradients at the end of every step."""
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchpipe.distributed.channel import Channel
+from torchpipe.distributed.mesh import MeshLayout
+from torchpipe.distributed.reduce import GradientReducer, TiedGroup
+from torchpipe.runtime import Runner
+from torchpipe.runtime.ties import Tie
+
+__all__ = ["connect_stages"]
+
+
+def connect_stages(
+    runner: Runner,
+    channel: Channel,
+    ties: Sequence[Tie],
+    copies: Sequence[Sequence[nn.Parameter]],
+    mesh: Optional[MeshLayout],
+) -> None:
+    """Called by every rank, in the same order (it makes process groups): makes this rank's stages start as the
+    first replica's and its tied copies as the first holder's, and installs the gradient reductions (see
+    [Note: reductions])."""
+    stages: Dict[int, nn.Module] = {s: stage for s, stage in enumerate(runner.stages) if stage is not None}
+    replicas: Any = None
+    if mesh is not None and mesh.replicas > 1:
+        channel.collectives = True
+        replicas = channel.subgroup(f"dp/{channel.rank}", list(range(mesh.replicas)), mesh.replica)
+        _broadcast(replicas, _tensors(stages.values()))  # like DDP: every replica starts as the first
+    tied: List[TiedGroup] = []
+    for k, (tie, held) in enumerate(zip(ties, copies)):
+        holders: List[int] = []
+        for s in tie.stages:
+            if runner.stage_workers[s] not in holders:
+                holders.append(runner.stage_workers[s])  # the first holder's rank first
+        if len(holders) < 2:
+            continue
+        channel.collectives = True  # on every rank, whether it holds the tie or not
+        if channel.rank not in holders:
+            continue
+        group = channel.subgroup(f"tie/{channel.replica}/{k}", holders, channel.rank)
+        _broadcast(group, [held[0]])  # the copies start as the first holder's (see [Note: tied parameters])
+        tied.append(TiedGroup(held[0], group))
+    if replicas is not None or tied:
+        order = sorted(stages, reverse=True)  # later stages end their backward first
+        runner.hooks.append(GradientReducer(channel, stages, order, replicas, tied))
+
+
+def _tensors(stages: Any) -> List[Tensor]:
+    """The parameters and buffers of ``stages``, each once, in order."""
+    seen: Dict[int, Tensor] = {}
+    for stage in stages:
+        for tensor in list(stage.parameters()) + list(stage.buffers()):
+            seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def _broadcast(group: Any, tensors: Sequence[Tensor]) -> None:
+    """Sets ``tensors`` on every member of ``group`` to the first member's."""
+    with torch.no_grad():
+        works = [group.broadcast([t.data if not hasattr(t, "to_local") else t.to_local()]) for t in tensors]
+        for work in works:
+            work.wait()
