@@ -159,3 +159,20 @@ def bad_arguments(rank: int, world: int) -> List[str]:
         except ValueError as exc:
             errors.append(str(exc))
     return errors
+
+
+def parameter_bytes(rank: int, world: int, mode: str) -> int:
+    """The bytes of the parameters this rank holds after a training step (DTensors: the local shard)."""
+    mesh = mesh_of(2, 2)
+    replica, position = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    pipe = Pipeline(model, [2, 2], chunks=2, loss_fn=nn.functional.mse_loss, mesh=mesh, data_parallel=mode)
+    x = torch.randn(4, 64)
+    pipe.step(x if position == 0 else None, x if position == 1 else None)
+    total = 0
+    for param in pipe.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += local.numel() * local.element_size()
+    assert replica in (0, 1)
+    return total

@@ -118,6 +118,8 @@ class Channel:
         #: Whether training steps start collectives between ranks (data-parallel or tied-copy reductions): then
         #: every rank commits to each step first (see :meth:`commit`). The same on every rank.
         self.collectives = False
+        #: Whether steps without backward start collectives too (FSDP2 gathers the parameters of every step).
+        self.collectives_without_grad = False
         #: The layout of each message the last time it crossed, by (source rank, target rank, edge) (see
         #: [Note: expected layouts] in torchpipe/distributed/transport.py).
         self.layouts: Dict[Tuple[int, int, Any], Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]] = {}

@@ -61,16 +61,17 @@ class _Bucket:
         self.params = params
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self.numel = sum(p.numel() for p in params) + len(params)
+        self.numel = sum(_local(p).numel() for p in params) + len(params)
 
     def pack(self, grads: Sequence[Optional[Tensor]]) -> Tensor:
         flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         offset = 0
         for k, (param, grad) in enumerate(zip(self.params, grads)):
+            size = _local(param).numel()
             if grad is not None:
-                flat[offset : offset + param.numel()].copy_(_local(grad).reshape(-1))
+                flat[offset : offset + size].copy_(_local(grad).reshape(-1))
                 flat[self.numel - len(self.params) + k] = 1
-            offset += param.numel()
+            offset += size
         return flat
 
     def unpack(self, flat: Tensor) -> List[Optional[Tensor]]:
@@ -78,9 +79,10 @@ class _Bucket:
         offset = 0
         flags = flat[self.numel - len(self.params) :].tolist()
         for param, flag in zip(self.params, flags):
-            part = flat[offset : offset + param.numel()]
-            grads.append(part.view_as(_local(param)) if flag else None)
-            offset += param.numel()
+            size = _local(param).numel()
+            part = flat[offset : offset + size]
+            grads.append(_like(param, part.view_as(_local(param))) if flag else None)
+            offset += size
         return grads
 
 
@@ -99,6 +101,18 @@ def _local(tensor: Tensor) -> Tensor:
     """A DTensor's local shard (a parameter or gradient sharded over ``'dp'``), else the tensor itself."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+def _like(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` as a gradient of ``param``: a DTensor laid out as ``param`` is, for a sharded one."""
+    if not hasattr(param, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(  # the global shape given: shards may be uneven
+        local, param.device_mesh, param.placements, run_check=False,  # type: ignore[attr-defined]
+        shape=param.shape, stride=param.stride(),
+    )
 
 
 def _buckets(params: Sequence[nn.Parameter]) -> List[_Bucket]:

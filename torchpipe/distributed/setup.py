@@ -1,6 +1,6 @@
 """What a rank's stages share with other ranks, set up when a multi-process Pipeline is made: replicas that start
 equal, tied copies that start equal, and the hooks that reduce their gradients at the end of every step."""
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from torchpipe.distributed.channel import Channel
 from torchpipe.distributed.mesh import MeshLayout
 from torchpipe.distributed.reduce import GradientReducer, TiedGroup
+from torchpipe.distributed.shard import ShardedStages, shard_stages
 from torchpipe.runtime import Runner
 from torchpipe.runtime.ties import Tie
 
@@ -30,7 +31,7 @@ def connect_stages(
         channel.collectives = True
         replicas = channel.subgroup(f"dp/{channel.rank}", list(range(mesh.replicas)), mesh.replica)
         _broadcast(replicas, _tensors(stages.values()))  # like DDP: every replica starts as the first
-    tied: List[TiedGroup] = []
+    tied: List[Tuple[Tie, Any]] = []
     for k, (tie, held) in enumerate(zip(ties, copies)):
         holders: List[int] = []
         for s in tie.stages:
@@ -43,10 +44,26 @@ def connect_stages(
             continue
         group = channel.subgroup(f"tie/{channel.replica}/{k}", holders, channel.rank)
         _broadcast(group, [held[0]])  # the copies start as the first holder's (see [Note: tied parameters])
-        tied.append(TiedGroup(held[0], group))
-    if replicas is not None or tied:
+        tied.append((tie, group))
+    if mesh is not None and mesh.mode == "shard":
+        channel.collectives = channel.collectives_without_grad = True
+        runner.hooks.append(ShardedStages(shard_stages(stages, mesh.dp_mesh)))  # see [Note: FSDP2 in a pipeline]
+        replicas = None  # FSDP2 reduces over the replicas
+    # The tied parameters as the stages hold them now (sharding replaces them with DTensors).
+    groups = [TiedGroup(_held(tie, stages), group) for tie, group in tied]
+    if replicas is not None or groups:
         order = sorted(stages, reverse=True)  # later stages end their backward first
-        runner.hooks.append(GradientReducer(channel, stages, order, replicas, tied))
+        runner.hooks.append(GradientReducer(channel, stages, order, replicas, groups))
+
+
+def _held(tie: Tie, stages: Dict[int, nn.Module]) -> nn.Parameter:
+    """This rank's tensor of ``tie`` (its local holders share one: one device per rank)."""
+    for s in tie.stages:
+        stage = stages.get(s)
+        for holder in tie.holders:
+            if stage is not None and holder.layer in stage._modules:
+                return holder.get(stage)
+    raise AssertionError(f"no holder of the tie of {tie.keys} on this rank")
 
 
 def _tensors(stages: Any) -> List[Tensor]:

@@ -111,7 +111,7 @@ def run_step(
     try:
         if loss is not None and step_loss is not None and rank == last:
             step.loss = step_loss = step_loss._replace(targets=split_target(loss[1], devices[-1], counts))
-        if channel.collectives and training and step_loss is not None:
+        if channel.collectives_without_grad or (channel.collectives and training and step_loss is not None):
             # The stage hooks start collectives between ranks (replicas, tied copies): every rank must run the
             # step to its end, or none (see [Note: stage lifecycle]).
             channel.commit(sequence)

@@ -39,6 +39,10 @@ class StageHooks:
     (in one process, several workers may call it at once, for their own stages).
     """
 
+    #: Whether the hook runs for steps without backward too (forward-only, or under ``no_grad``); else only
+    #: for training steps.
+    without_grad = False
+
     def before_step(self, step: "Step") -> None:
         """The step starts: no action of it has run."""
 

@@ -119,8 +119,10 @@ class Step:
         self.seed = step_seed() if any(self.draws) else None
         self.context = ThreadContext.capture()
         self.plan = runner.plan(self.microbatches, checkpoint_stop)
-        #: The stage hooks of a training step of a Pipeline (see [Note: stage lifecycle]); none otherwise.
-        self.hooks: Sequence[StageHooks] = runner.hooks if grad_enabled and loss is not None else ()
+        #: The stage hooks of the step (see [Note: stage lifecycle]): all of a Pipeline's training step, those
+        #: that run without grad (``StageHooks.without_grad``) for other steps.
+        trains = grad_enabled and loss is not None
+        self.hooks: Sequence[StageHooks] = [h for h in runner.hooks if trains or h.without_grad]
         self.keys: List[Optional[MicroBatch]] = [MicroBatch(i) for i in range(self.microbatches)]
         self.streams = [current_stream(d) for d in runner.devices]
         self.transport: Transport = LocalTransport(runner, self.streams)
