@@ -194,7 +194,11 @@ def build_layers(
             attributes.update(more[0])
             borrowed += more[1]
             persistent |= more[2]
-        guards = {p.traced.training: p.traced.guard for p in [first, *others]} if k == 0 else {}
+        guards = {
+            p.traced.training: p.traced.guard
+            for p in [first, *others]
+            if k == 0 and p.traced.training is not None and p.traced.guard is not None
+        }
         layers.append(TracedLayer(
             plan.name,
             codes,
@@ -205,7 +209,7 @@ def build_layers(
             stashes=[(name, popped_by[name]) for name, _ in plan.stashes],
             draws_random=draws,
             namespace=namespace,
-            guards={mode: guard for mode, guard in guards.items() if guard is not None},
+            guards=guards,
             missing=missing if first.traced.training is not None else None,
         ))
     return layers

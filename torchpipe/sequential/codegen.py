@@ -17,6 +17,7 @@ import hashlib
 import linecache
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from torch import fx
 from torch.fx.graph import CodeGen
 
@@ -131,6 +132,33 @@ def _fast_module_calls(
     return "\n".join(line.rstrip() for line in lines[:header] + lookups + body.split("\n"))
 
 
+def _direct_operator_calls(source: str, graph: fx.Graph) -> Tuple[str, Dict[str, Any]]:
+    """``source`` with each ATen operator called directly rather than through its ``OpOverload``.
+
+    A graph traced by ``torch.export`` calls ATen operators, which fx writes
+    as ``torch.ops.aten.view.default(x, ...)``: four attribute lookups and a
+    Python ``OpOverload.__call__`` that only forwards to the C++ function it
+    holds (``OpOverload._op``), about a microsecond per operator and over a
+    hundred operators per transformer block. The code calls that function
+    under a name of its own instead. Returns the source and the names to add
+    to its globals.
+    """
+    operators: Dict[str, Any] = {}
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        function = getattr(target, "_op", None)
+        namespace, _, name = target._schema.name.partition("::")
+        written = f"torch.ops.{namespace}.{name}.{target._overloadname}("
+        alias = f"_op_{namespace}_{name}_{target._overloadname}"
+        if function is None or written not in source or not alias.isidentifier() or alias in operators:
+            continue
+        source = source.replace(written, alias + "(")
+        operators[alias] = function
+    return source, operators
+
+
 def compile_forward(
     graph: fx.Graph,
     name: str,
@@ -152,10 +180,12 @@ def compile_forward(
     python = graph.python_code(root_module="self")
     header = 2 + (1 if pops or stashes else 0) + len(pops)
     source = _fast_module_calls(python.src, graph, header, slot).strip("\n") + "\n"
+    source, operators = _direct_operator_calls(source, graph)
     # Registered so that a traceback through a layer shows the generated line; named after the code, so
     # that copies of a layer share one entry.
     filename = f"<torchpipe.as_sequential layer {name} {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     scope: Dict[str, Any] = dict(python.globals)
+    scope.update(operators)
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - code generated from the graph
     return source, scope["forward"]

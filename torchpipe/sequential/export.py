@@ -47,7 +47,7 @@ import dataclasses
 import heapq
 import itertools
 import operator
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -105,41 +105,77 @@ def _kept(module: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
-def _dynamic_shapes(tensors: Sequence[Tensor], names: Sequence[str], batch: bool) -> Dict[str, Any]:
-    """Dimension 0 of every input that shares the first input's size there is ``Dim('batch')``; the rest AUTO."""
+def _dynamic_shapes(tensors: Sequence[Tensor], names: Sequence[str], named: bool) -> Dict[str, Any]:
+    """Which dimensions export should make dynamic (see [Note: export]).
+
+    ``named``: dimension 0 of every input that shares the first input's size
+    there is ``Dim('batch')``, and the other dimensions of integer and boolean
+    inputs (token ids, masks, labels) are named dimensions too, one per size in
+    the example (so ``input_ids`` and ``attention_mask`` share their sequence
+    length); the rest are ``Dim.AUTO``. Otherwise every dimension is AUTO.
+    """
     from torch.export import Dim
 
-    shared = Dim("batch") if batch else None
     first = tensors[0].size(0) if tensors[0].dim() else None
+    by_size: Dict[int, Any] = {}
     shapes: Dict[str, Any] = {}
     for name, tensor in zip(names, tensors):
         spec: Dict[int, Any] = {d: Dim.AUTO for d in range(tensor.dim())}
-        if shared is not None and tensor.dim() and tensor.size(0) == first:
-            spec[0] = shared
+        if named:
+            if tensor.dim() and tensor.size(0) == first:
+                spec[0] = by_size.setdefault(-1, Dim("batch"))
+            if not tensor.is_floating_point() and not tensor.is_complex():
+                for d in range(1, tensor.dim()):
+                    size = tensor.size(d)
+                    spec[d] = by_size.setdefault(size, Dim(f"size{size}"))
         shapes[name] = spec
     return shapes
 
 
-def _export(wrapper: nn.Module, call: ExampleCall) -> Any:
-    """``torch.export.export`` of the entry, with the batch dimension named if the model allows."""
+def _refined(error: Exception, shapes: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``shapes`` with the fixes export suggests for a constraint violation (a narrower range), or None."""
+    message = str(error)
+    if "Suggested fixes:" not in message:
+        return None
+    head, _, fixes = message.partition("Suggested fixes:")
+    try:
+        from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+        refined = refine_dynamic_shapes_from_suggested_fixes(head + "Suggested fixes:" + fixes.split("\n\n")[0], shapes)
+    except Exception:  # noqa: BLE001 - a message it cannot read: go on without its fixes
+        return None
+    return refined if isinstance(refined, dict) else None
+
+
+def _export(wrapper: nn.Module, call: ExampleCall, shapes: Optional[Dict[str, Any]] = None) -> Tuple[Any, Any]:
+    """``torch.export.export`` of the entry: the program and the dynamic shapes it was exported with.
+
+    Without ``shapes``, tries named dimensions, then those with the fixes
+    export suggests, then ``Dim.AUTO`` everywhere (see :func:`_dynamic_shapes`);
+    only a constraint violation moves on to the next.
+    """
     tensors = call.tensors
-    try:
-        return torch.export.export(
-            wrapper, tuple(tensors), dynamic_shapes=_dynamic_shapes(tensors, call.names, True), strict=False
-        )
-    except OutputError:
-        raise
-    except Exception as error:  # noqa: BLE001 - export raises many types; a fixed batch size is one of them
-        if "Constraints violated" not in str(error):
-            raise ExportFailed(error) from error
-    try:
-        return torch.export.export(
-            wrapper, tuple(tensors), dynamic_shapes=_dynamic_shapes(tensors, call.names, False), strict=False
-        )
-    except OutputError:
-        raise
-    except Exception as error:  # noqa: BLE001
-        raise ExportFailed(error) from error
+
+    def run(candidate: Dict[str, Any]) -> Any:
+        return torch.export.export(wrapper, tuple(tensors), dynamic_shapes=candidate, strict=False)
+
+    candidate = shapes if shapes is not None else _dynamic_shapes(tensors, call.names, True)
+    tried: List[Dict[str, Any]] = []
+    while True:
+        tried.append(candidate)
+        try:
+            return run(candidate), candidate
+        except OutputError:
+            raise
+        except Exception as error:  # noqa: BLE001 - export raises many types; a constraint violation is one
+            if shapes is not None or "Constraints violated" not in str(error):
+                raise ExportFailed(error) from error
+            following = _refined(error, candidate) if len(tried) == 1 else None
+            if following is None or following in tried:
+                following = _dynamic_shapes(tensors, call.names, False)
+            if following in tried:
+                raise ExportFailed(error) from error
+            candidate = following
 
 
 def export_trace(
@@ -157,17 +193,18 @@ def export_trace(
     own = module.training
     modes: Dict[bool, Traced] = {}
     missing: Optional[str] = None
+    shapes: Optional[Dict[str, Any]] = None
     for mode in (own, not own):
         with _kept(module):
             module.train(mode)
             try:
-                program = _export(wrapper, call)
+                program, shapes = _export(wrapper, call, shapes)
             except ExportFailed as failure:
                 if mode == own:
                     raise
                 missing = f"torch.export cannot trace it in {'training' if mode else 'eval'} mode: {failure}"
                 continue
-        modes[mode] = _convert(program, module, wrapper, call, anchors, devices, mode)
+        modes[mode] = _convert(program, module, call, anchors, devices, mode)
     return Exported(modes, missing)
 
 
@@ -228,114 +265,128 @@ def _alias_for(names: List[str], scope: Tuple[Scope, ...], fallback: str) -> str
     return fallback if fallback in names or not names else names[0]
 
 
-def _convert(
-    program: Any,
-    module: nn.Module,
-    wrapper: nn.Module,
-    call: ExampleCall,
-    anchors: List[str],
-    devices: Any,
-    mode: bool,
-) -> Traced:
-    signature = program.graph_signature
-    if getattr(signature, "buffers_to_mutate", None) or getattr(signature, "user_inputs_to_mutate", None):
-        raise ExportFailed(RuntimeError(
-            "the exported graph returns new values for buffers or inputs (a functional graph); as_sequential "
-            "takes the graph that writes them in place"
-        ))
-    state = dict(signature.inputs_to_parameters)
-    state.update(signature.inputs_to_buffers)
-    constants = dict(signature.inputs_to_lifted_tensor_constants)
-    user_inputs = list(signature.user_inputs)
-    aliases = _aliases(module)
+class _Converter:
+    """Copies an exported program's graph into one the planner cuts (see [Note: export])."""
 
-    graph = fx.Graph()
-    env: Dict[fx.Node, Any] = {}
-    attrs: Dict[str, Any] = {}
-    constant_names: Set[str] = set()
-    kinds: Dict[fx.Node, type] = {}
-    state_of: Dict[fx.Node, str] = {}  # the placeholders of parameters and buffers: their export target
-    made: Dict[str, fx.Node] = {}  # the get_attr node of each parameter and buffer name used
-    unknown_random: List[str] = []
+    def __init__(self, program: Any, module: nn.Module, call: ExampleCall) -> None:
+        self.program = program
+        self.module = module
+        self.call = call
+        signature = program.graph_signature
+        if getattr(signature, "buffers_to_mutate", None) or getattr(signature, "user_inputs_to_mutate", None):
+            raise ExportFailed(RuntimeError(
+                "the exported graph returns new values for buffers or inputs (a functional graph); as_sequential "
+                "takes the graph that writes them in place"
+            ))
+        self.state = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+        self.constants = dict(signature.inputs_to_lifted_tensor_constants)
+        self.user_inputs = list(signature.user_inputs)
+        self.aliases = _aliases(module)
+        self.graph = fx.Graph()
+        self.env: Dict[fx.Node, fx.Node] = {}
+        self.attrs: Dict[str, Any] = {}
+        self.constant_names: Set[str] = set()
+        self.kinds: Dict[fx.Node, type] = {}
+        #: The placeholders of parameters and buffers, with their export targets.
+        self.state_of: Dict[fx.Node, str] = {}
+        #: The get_attr node of each parameter or buffer name used.
+        self.reads: Dict[str, fx.Node] = {}
+        self.unknown_random: Set[str] = set()
 
-    for node in program.graph.nodes:
-        if node.op == "placeholder":
-            if node.name in state:
-                state_of[node] = state[node.name]
-                continue
-            if node.name in constants:
-                target = f"_tensor_constant{len(constant_names)}"
-                constant_names.add(target)
-                attrs[target] = program.constants[constants[node.name]]
-                env[node] = graph.get_attr(target)
-                kinds[env[node]] = Tensor
-                continue
-            if node.name not in user_inputs:
-                raise ExportFailed(RuntimeError(f"the exported graph takes {node.name!r}, which as_sequential cannot "
-                                                "give it (an opaque object or an effect token)"))
-            copy = graph.placeholder(call.names[user_inputs.index(node.name)])
-            copy.meta = dict(node.meta)
-            env[node] = copy
-            kinds[copy] = Tensor
-            continue
-        if node.op == "output":
-            outputs = node.args[0]
-            spec = program.call_spec.out_spec
-            values = [env[v] for v in outputs]
-            result: Any = tuple(values) if spec is not None and spec.type is tuple else values[0]
-            graph.output(result)
-            continue
-        if node.op == "get_attr":  # a subgraph of a higher-order operator
-            target = str(node.target)
-            attrs[target] = fetch(program.graph_module, target)
-            constant_names.add(target)
-            env[node] = graph.get_attr(target)
-            kinds[env[node]] = type(attrs[target])
-            continue
-        target = node.target
+    def run(self) -> fx.Graph:
+        for node in self.program.graph.nodes:
+            if node.op == "placeholder":
+                self.placeholder(node)
+            elif node.op == "output":
+                values = [self.env[v] for v in node.args[0]]
+                spec = self.program.call_spec.out_spec
+                self.graph.output(tuple(values) if spec is not None and spec.type is tuple else values[0])
+            elif node.op == "get_attr":  # a subgraph of a higher-order operator
+                target = str(node.target)
+                self.attrs[target] = fetch(self.program.graph_module, target)
+                self.constant_names.add(target)
+                self.env[node] = self.graph.get_attr(target)
+                self.kinds[self.env[node]] = type(self.attrs[target])
+            else:
+                self.operator(node)
+        if self.unknown_random:
+            raise ExportFailed(RuntimeError(
+                f"the graph draws random numbers with {', '.join(sorted(self.unknown_random))}, which torchpipe's "
+                "random streams cannot give a generator of their own (see docs/random.md)"
+            ))
+        return self.graph
+
+    def placeholder(self, node: fx.Node) -> None:
+        if node.name in self.state:
+            self.state_of[node] = self.state[node.name]
+            return
+        if node.name in self.constants:
+            target = f"_tensor_constant{len(self.constant_names)}"
+            self.constant_names.add(target)
+            self.attrs[target] = self.program.constants[self.constants[node.name]]
+            self.env[node] = self.graph.get_attr(target)
+            self.kinds[self.env[node]] = Tensor
+            return
+        if node.name not in self.user_inputs:
+            raise ExportFailed(RuntimeError(
+                f"the exported graph takes {node.name!r}, which as_sequential cannot give it (an opaque object "
+                "or an effect token)"
+            ))
+        copy = self.graph.placeholder(self.call.names[self.user_inputs.index(node.name)])
+        copy.meta = {"val": node.meta.get("val")}
+        self.env[node] = copy
+        self.kinds[copy] = Tensor
+
+    def operator(self, node: fx.Node) -> None:
+        target: Any = node.target
         if isinstance(target, _OpOverload):
-            name = target.overloadpacket.__name__
-            if name in _DROPPED:
-                continue
+            if target.overloadpacket.__name__ in _DROPPED:
+                return
             if torch.Tag.nondeterministic_seeded in target.tags:
                 function = _random_function(target)
                 if function is None:
-                    unknown_random.append(str(target))
+                    self.unknown_random.add(str(target))
                 else:
                     target = function
         scope = _scope(node)
-
-        def lookup(value: fx.Node) -> fx.Node:
-            if value in state_of:  # see [Note: export]: named after the submodule that uses it
-                target = relative_name(state_of[value])
-                name = _alias_for(aliases.get(id(fetch(module, target)), []), scope, target)
-                if name not in made:
-                    made[name] = graph.get_attr(name)
-                    attrs[name] = fetch(module, name)
-                    kinds[made[name]] = Tensor
-                return made[name]
-            return env[value]
-
-        copy = graph.create_node(
-            node.op, target, fx.map_arg(node.args, lookup), fx.map_arg(node.kwargs, lookup), node.name
-        )
+        args = fx.map_arg(node.args, lambda value: self.read(value, scope))
+        kwargs = fx.map_arg(node.kwargs, lambda value: self.read(value, scope))
+        copy = self.graph.create_node(node.op, target, args, kwargs, node.name)
         copy.meta = {"val": node.meta.get("val"), SCOPE: scope}
-        env[node] = copy
-        kinds[copy] = _kind(node)
+        self.env[node] = copy
+        self.kinds[copy] = _kind(node)
 
-    if unknown_random:
-        raise ExportFailed(RuntimeError(
-            f"the graph draws random numbers with {', '.join(sorted(set(unknown_random)))}, which torchpipe's "
-            "random streams cannot give a generator of their own (see docs/random.md)"
-        ))
-    _localize_sizes(graph, kinds)
+    def read(self, value: fx.Node, scope: Tuple[Scope, ...]) -> fx.Node:
+        """The copy of ``value``; for a parameter or buffer, a get_attr named after the submodule using it."""
+        if value not in self.state_of:
+            return self.env[value]
+        target = relative_name(self.state_of[value])
+        name = _alias_for(self.aliases.get(id(fetch(self.module, target)), []), scope, target)
+        if name not in self.reads:
+            self.reads[name] = self.graph.get_attr(name)
+            self.attrs[name] = fetch(self.module, name)
+            self.kinds[self.reads[name]] = Tensor
+        return self.reads[name]
+
+
+def _convert(
+    program: Any,
+    module: nn.Module,
+    call: ExampleCall,
+    anchors: List[str],
+    devices: FrozenSet[torch.device],
+    mode: bool,
+) -> Traced:
+    converter = _Converter(program, module, call)
+    graph = converter.run()
+    _Sizes(graph, converter.kinds).localize()
     graph.lint()
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     return Traced(
-        graph, attrs, inputs, kinds, constant_names,
+        graph, converter.attrs, inputs, converter.kinds, converter.constant_names,
         tracer="export",
         anchors=anchors,
-        devices=frozenset(devices),
+        devices=devices,
         guard=_guard(program, call, module),
         training=mode,
     )
@@ -351,93 +402,91 @@ def _symbol(value: Any) -> Any:
     return None
 
 
-def _nearest_with(
-    consumer: fx.Node, symbol: Any, order: Dict[fx.Node, int], limit: int = 400
-) -> Optional[Tuple[fx.Node, int]]:
-    """The tensor nearest before ``consumer`` among its ancestors that has ``symbol`` as a size: (node, dim)."""
-    heap = [(-order[n], id(n), n) for n in consumer.all_input_nodes if n in order]
-    heapq.heapify(heap)
-    seen: Set[fx.Node] = set()
-    while heap and len(seen) < limit:
-        _, _, node = heapq.heappop(heap)
-        if node in seen:
-            continue
-        seen.add(node)
-        value = node.meta.get("val")
-        if isinstance(value, Tensor) and node.op != "get_attr":
-            for d, size in enumerate(value.shape):
-                if _symbol(size) is not None and _symbol(size) == symbol:
-                    return node, d
-        for parent in node.all_input_nodes:
-            if parent not in seen and parent in order:
-                heapq.heappush(heap, (-order[parent], id(parent), parent))
-    return None
+_ARITHMETIC = frozenset({
+    operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod, operator.neg,
+    operator.pow,
+})
 
 
-def _localize_sizes(graph: fx.Graph, kinds: Dict[fx.Node, type]) -> None:
+class _Sizes:
     """Each tensor operator reads the symbolic sizes it uses from the nearest tensor that has them.
 
     See [Note: export]. A size expression (``s0 * s1``) is rebuilt from its
     symbols; one that is not made of ``sym_size`` reads and arithmetic is
     left as it is. Size reads no longer used are removed.
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    sym_size = torch.ops.aten.sym_size.int
 
-    def symbolic(node: fx.Node) -> bool:
-        return node.op == "call_function" and kinds.get(node) is int and _symbol(node.meta.get("val")) is not None
+    def __init__(self, graph: fx.Graph, kinds: Dict[fx.Node, type]) -> None:
+        self.graph = graph
+        self.kinds = kinds
+        self.order: Dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
 
-    for consumer in list(graph.nodes):
-        if consumer.op != "call_function" or symbolic(consumer):
-            continue
-        used = [n for n in consumer.all_input_nodes if symbolic(n)]
-        if not used:
-            continue
-        made: Dict[fx.Node, Optional[fx.Node]] = {}
+    def symbolic(self, node: fx.Node) -> bool:
+        return (
+            node.op == "call_function" and self.kinds.get(node) is int and _symbol(node.meta.get("val")) is not None
+        )
 
-        def rebuild(node: fx.Node) -> Optional[fx.Node]:
-            if node in made:
-                return made[node]
-            result: Optional[fx.Node] = None
-            if node.target is sym_size:
-                expression = _symbol(node.meta.get("val"))
-                if expression is not None and expression.is_Symbol:
-                    found = _nearest_with(consumer, expression, order)
-                    if found is not None:
-                        if found == (node.args[0], node.args[1]):
-                            result = node
-                        else:
-                            with graph.inserting_before(consumer):
-                                result = graph.call_function(sym_size, found)
-            elif all(not isinstance(a, fx.Node) or symbolic(a) for a in node.args) and not node.kwargs:
-                rebuilt = [rebuild(a) if isinstance(a, fx.Node) else a for a in node.args]
-                if all(r is not None for r in rebuilt):
-                    if all(r is a for r, a in zip(rebuilt, node.args)):
-                        result = node
-                    else:
-                        with graph.inserting_before(consumer):
-                            result = graph.call_function(node.target, tuple(rebuilt))  # type: ignore[arg-type]
-            if result is not None and result is not node:
-                result.meta = {"val": node.meta.get("val"), SCOPE: consumer.meta.get(SCOPE, ())}
-                kinds[result] = int
-                order[result] = order[consumer] - 0.5  # type: ignore[assignment]
-            made[node] = result
-            return result
+    def localize(self) -> None:
+        for consumer in list(self.graph.nodes):
+            if consumer.op != "call_function" or self.symbolic(consumer):
+                continue
+            made: Dict[fx.Node, Optional[fx.Node]] = {}
+            for node in [n for n in consumer.all_input_nodes if self.symbolic(n)]:
+                new = self.rebuild(node, consumer, made)
+                if new is not None and new is not node:
+                    consumer.replace_input_with(node, new)
+        for node in reversed(list(self.graph.nodes)):
+            if self.symbolic(node) and not node.users and (node.target is _SYM_SIZE or node.target in _ARITHMETIC):
+                self.graph.erase_node(node)
 
-        for node in used:
-            new = rebuild(node)
-            if new is not None and new is not node:
-                consumer.replace_input_with(node, new)
+    def rebuild(self, node: fx.Node, consumer: fx.Node, made: Dict[fx.Node, Optional[fx.Node]]) -> Optional[fx.Node]:
+        """``node`` (a size) computed from tensors near ``consumer``; itself if it is already; None if it cannot be."""
+        if node in made:
+            return made[node]
+        result: Optional[fx.Node] = None
+        if node.target is _SYM_SIZE:
+            expression = _symbol(node.meta.get("val"))
+            found = self.nearest(consumer, expression) if expression is not None and expression.is_Symbol else None
+            if found is not None:
+                result = node if found == tuple(node.args) else self.insert(consumer, node, _SYM_SIZE, found)
+        elif all(not isinstance(a, fx.Node) or self.symbolic(a) for a in node.args) and not node.kwargs:
+            rebuilt = [self.rebuild(a, consumer, made) if isinstance(a, fx.Node) else a for a in node.args]
+            if all(r is not None for r in rebuilt):
+                same = all(r is a for r, a in zip(rebuilt, node.args))
+                result = node if same else self.insert(consumer, node, node.target, tuple(rebuilt))
+        made[node] = result
+        return result
 
-    for node in reversed(list(graph.nodes)):
-        if symbolic(node) and not node.users and (node.target is sym_size or node.target in _ARITHMETIC):
-            graph.erase_node(node)
+    def insert(self, consumer: fx.Node, like: fx.Node, target: Any, args: Tuple[Any, ...]) -> fx.Node:
+        with self.graph.inserting_before(consumer):
+            node = self.graph.call_function(target, args)
+        node.meta = {"val": like.meta.get("val"), SCOPE: consumer.meta.get(SCOPE, ())}
+        self.kinds[node] = int
+        self.order[node] = self.order[consumer] - 0.5
+        return node
+
+    def nearest(self, consumer: fx.Node, symbol: Any, limit: int = 400) -> Optional[Tuple[fx.Node, int]]:
+        """The tensor nearest before ``consumer`` among its ancestors that has ``symbol`` as a size: (node, dim)."""
+        heap = [(-self.order[n], id(n), n) for n in consumer.all_input_nodes if n in self.order]
+        heapq.heapify(heap)
+        seen: Set[fx.Node] = set()
+        while heap and len(seen) < limit:
+            _, _, node = heapq.heappop(heap)
+            if node in seen:
+                continue
+            seen.add(node)
+            value = node.meta.get("val")
+            if isinstance(value, Tensor) and node.op != "get_attr":
+                for d, size in enumerate(value.shape):
+                    if _symbol(size) is not None and _symbol(size) == symbol:
+                        return node, d
+            for parent in node.all_input_nodes:
+                if parent not in seen and parent in self.order:
+                    heapq.heappush(heap, (-self.order[parent], id(parent), parent))
+        return None
 
 
-_ARITHMETIC = frozenset({
-    operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod, operator.neg,
-    operator.pow,
-})
+_SYM_SIZE = torch.ops.aten.sym_size.int
 
 
 # --- the domain of the inputs ----------------------------------------------------------------------

@@ -92,7 +92,7 @@ class InputGuard:
             )
 
     def _check_expressions(self, tensors: Sequence[Tensor], values: Dict[str, int]) -> List[str]:
-        import sympy  # torch's own dependency; only models with derived sizes get here
+        import sympy  # type: ignore[import-untyped]  # torch's own dependency; only for derived sizes
 
         problems: List[str] = []
         for name, tensor, shape in zip(self.names, tensors, self.shapes):

@@ -101,6 +101,11 @@ def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _has_state(module: nn.Module) -> bool:
+    """The module itself holds a parameter or buffer (a module without, called twice, may be split)."""
+    return any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+
+
 def _anchors(ops: Sequence[fx.Node], traced: Traced, split_points: Optional[Sequence[str]]) -> List[
     Tuple[int, str]
 ]:
@@ -222,7 +227,7 @@ class _Analysis:
         value = self.traced.attrs.get(str(node.target))
         if node.op == "call_module":
             assert isinstance(value, nn.Module)
-            stateful = [m for m in value.modules() if any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))]
+            stateful = [m for m in value.modules() if _has_state(m)]
             return [id(m) for m in stateful] + [id(t) for t in value.buffers()]
         if node.op == "get_attr" and str(node.target) in self.owners and not isinstance(value, nn.Parameter):
             return [id(value)]
