@@ -123,7 +123,9 @@ def as_sequential(
             _check_output(module, traced, call)
             if splits is not None:
                 _check_split_points(traced, splits)
-            return nn.Sequential(*build_layers([Planned(traced, plan(traced, module, splits))], module))
+            return _in_mode(
+                nn.Sequential(*build_layers([Planned(traced, plan(traced, module, splits))], module)), module
+            )
 
     try:
         exported = export_trace(module, call, leaves)
@@ -136,7 +138,15 @@ def as_sequential(
         if splits is not None:
             _check_split_points(traced, splits)
         planned.append(Planned(traced, plan(traced, module, splits)))
-    return nn.Sequential(*build_layers(planned, module, exported.missing))
+    return _in_mode(nn.Sequential(*build_layers(planned, module, exported.missing)), module)
+
+
+def _in_mode(seq: nn.Sequential, module: nn.Module) -> nn.Sequential:
+    """The Sequential and its layers in ``module``'s mode; the model's submodules the layers hold keep theirs."""
+    seq.training = module.training
+    for layer in seq:
+        layer.training = module.training
+    return seq
 
 
 def _untraceable_by_both(

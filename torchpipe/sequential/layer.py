@@ -1,5 +1,4 @@
 """``TracedLayer``: one layer of a Sequential made by ``as_sequential``, running code generated from the graph."""
-import copy
 import dataclasses
 import itertools
 import types
@@ -48,20 +47,33 @@ class _Op:
     def resolve(self) -> Any:
         return getattr(getattr(getattr(torch.ops, self.namespace), self.op), self.overload)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # fx checks that targets are callable
+        return self.resolve()(*args, **kwargs)
+
+
+def _copy(graph: fx.Graph, target: Callable[[Any], Any]) -> fx.Graph:
+    """A fresh copy of ``graph`` (no state from code generated before) with every target passed through ``target``."""
+    copied = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        args = fx.map_arg(node.args, env.__getitem__)
+        kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+        if node.op == "output":
+            copied.output(args[0])
+            continue
+        env[node] = copied.create_node(node.op, target(node.target), args, kwargs, node.name)
+    return copied
+
 
 def _portable(code: LayerCode) -> LayerCode:
-    graph = copy.deepcopy(code.graph)
-    for node in graph.nodes:
-        if isinstance(node.target, torch._ops.OpOverload):
-            node.target = _Op(node.target)
-    return dataclasses.replace(code, graph=graph)
+    """``code`` for pickling: ATen operators by name (``OpOverload`` objects cannot be pickled)."""
+    return dataclasses.replace(
+        code, graph=_copy(code.graph, lambda t: _Op(t) if isinstance(t, torch._ops.OpOverload) else t)
+    )
 
 
 def _restored(code: LayerCode) -> LayerCode:
-    for node in code.graph.nodes:
-        if isinstance(node.target, _Op):
-            node.target = node.target.resolve()
-    return code
+    return dataclasses.replace(code, graph=_copy(code.graph, lambda t: t.resolve() if isinstance(t, _Op) else t))
 
 
 class TracedLayer(Skippable):
