@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchpipe
+from torchpipe.rng import streams
 from torchpipe.sequential import TracedLayer, UntraceableError
 from torchpipe.skip import verify_skippables
 from torchpipe_balancing import balance_by_size, balance_by_time
@@ -331,6 +332,13 @@ def test_eval_and_train_run_the_graph_of_their_mode() -> None:
     assert "aten.dropout" not in "".join(layer.code for layer in seq)  # see [Note: export]
     assert not torch.allclose(seq((ids, mask)), plain(model, "gpt2", ids, mask))  # dropout is on
     assert any(layer.torchpipe_draws_random for layer in seq)
+    # The dropouts (and the attention's) draw from the generators of torchpipe's random streams, not the global one.
+    outputs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        with streams(5):
+            outputs.append(seq((ids, mask)))
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -470,6 +478,33 @@ def test_a_model_neither_tracer_can_trace_is_an_error_naming_both() -> None:
     message = str(error.value)
     assert "with torch.fx" in message and "if x.sum() > 0:" in message
     assert "torch.export cannot trace it either" in message and "torch.cond" in message
+
+
+class Blocks(nn.Module):
+    """Two blocks of two linears, a norm at the end: cut per linear, per block, or with a block kept whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)) for _ in range(2))
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.norm(x)
+
+
+def test_split_points_and_leaf_modules_cut_an_exported_graph() -> None:
+    model = Blocks()
+    x = torch.randn(3, 4)
+    fine = torchpipe.as_sequential(model, x, tracer="export")
+    assert [layer.name for layer in fine] == ["blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "norm"]
+    coarse = torchpipe.as_sequential(model, x, tracer="export", split_points=["blocks.0", "blocks.1", "norm"])
+    assert [layer.name for layer in coarse] == ["blocks.0", "blocks.1", "norm"]
+    whole = torchpipe.as_sequential(model, x, tracer="export", leaf_modules=["blocks.1"])
+    assert [layer.name for layer in whole] == ["blocks.0.0", "blocks.0.2", "blocks.1", "norm"]
+    for seq in (fine, coarse, whole):
+        assert torch.allclose(seq(x), model(x))
 
 
 # --- copies ---------------------------------------------------------------------------------------------
