@@ -96,9 +96,6 @@ class TracedLayer(Skippable):
     Attributes:
         name: the qualified name of the submodule call that starts the layer
             (``'layer1.0.conv1'``).
-        code: the generated source of the layer's computation (in its mode).
-        torchpipe_draws_random: whether the layer's own code (not the
-            submodules it calls) may draw random numbers.
 
     Example::
 
@@ -285,7 +282,7 @@ class TracedLayer(Skippable):
 
     @property
     def torchpipe_draws_random(self) -> bool:
-        """Whether the layer's own code may draw random numbers (in any of its modes)."""
+        """Whether the layer's own code (not the submodules it calls) may draw random numbers, in any mode."""
         return any(self._draws.values())
 
     @property

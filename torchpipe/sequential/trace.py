@@ -1,16 +1,18 @@
 """Tracing a module with ``torch.fx`` for :func:`~torchpipe.as_sequential`, and its failures as clear errors.
 
-[Note: tracer] ``torch.fx`` symbolic tracing, not ``torch.export``: fx keeps a
-call of a leaf submodule (``nn.Conv2d``, ``nn.BatchNorm2d``,
-``nn.TransformerEncoderLayer``) as one call of that very module object, so the
-generated layers hold the module's own submodules, ``.train()``/``.eval()``,
-hooks and ``DeferredBatchNorm`` keep working on them, and each layer reads like
-the model's code. ``torch.export`` lowers everything to ATen operators with
-train/eval and BatchNorm's buffer updates baked into the graph, and
-specialises shapes, which micro-batches of changing size would break. The price
-of fx is that Python control flow on tensor values (and on shapes) cannot be
-traced; :class:`UntraceableError` says where, and ``leaf_modules`` keeps such a
-submodule whole.
+[Note: tracer] ``torch.fx`` symbolic tracing first, ``torch.export`` only
+where fx cannot: fx keeps a call of a leaf submodule (``nn.Conv2d``,
+``nn.BatchNorm2d``, ``nn.TransformerEncoderLayer``) as one call of that very
+module object, so the generated layers hold the module's own submodules,
+``.train()``/``.eval()``, hooks and ``DeferredBatchNorm`` keep working on them,
+and each layer reads like the model's code. ``torch.export`` lowers everything
+to ATen operators with train/eval, dtypes and devices baked into the graph,
+and specialises shapes where the model needs it. The price of fx is that
+Python control flow on tensor values (and on shapes) cannot be traced;
+:class:`UntraceableError` says where, and ``leaf_modules`` keeps such a
+submodule whole. Hugging Face language models all branch on shapes (their
+masks), so :func:`~torchpipe.as_sequential` then traces with export, and
+``export.py`` deals with what it bakes in (see [Note: export]).
 """
 import contextlib
 import dataclasses
