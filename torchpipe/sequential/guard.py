@@ -86,9 +86,10 @@ class InputGuard:
         if problems:
             raise ValueError(
                 f"{self.what} was traced with torch.export for inputs {self.domain()}; "
-                f"these inputs are outside it: {'; '.join(problems)}. The graph is not valid there: call "
-                "as_sequential again with an example of these sizes (see docs/language_models.md, "
-                "'Shapes')"
+                f"these inputs are outside it: {'; '.join(problems)}. The graph is proven for that domain only. "
+                "If the module takes such inputs, convert it again with an example of their sizes and dtypes "
+                "(export fixes a dimension that is 1 in the example, and any the model needs fixed; see "
+                "docs/language_models.md, 'Shapes')"
             )
 
     def _check_expressions(self, tensors: Sequence[Tensor], values: Dict[str, int]) -> List[str]:
