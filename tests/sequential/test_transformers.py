@@ -139,6 +139,7 @@ def test_outputs_and_every_gradient_equal_the_models_for_several_shapes(name: st
     model, seq = converted(name)
     assert all(isinstance(layer, TracedLayer) for layer in seq)
     assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}
+    assert {key.split(".", 1)[1] for key in seq.state_dict()} == set(model.state_dict())
     verify_skippables(seq)
     parameters = list(model.parameters())
     for size, length in [(2, 8), (3, 5), (1, 11), (4, 1)]:  # the example, and other batches and lengths
