@@ -16,7 +16,7 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[test,bench,docs]"
+	$(PY) -m pip install -q -e ".[test,bench,docs,transformers]"
 	touch $(STAMP)
 
 run: $(STAMP)

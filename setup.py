@@ -24,6 +24,8 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "mypy>=1.8", "ruff>=0.4"],
         "bench": ["tqdm>=4", "matplotlib>=3.5"],
         "docs": ["sphinx>=7", "myst-parser>=2", "furo>=2023.9.10"],
+        # Only the tests and examples of as_sequential on Hugging Face models use it; torchpipe never imports it.
+        "transformers": ["transformers>=4.40"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

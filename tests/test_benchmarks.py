@@ -17,7 +17,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import common, models  # noqa: E402
 
-MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed"]
+MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
+           "language_model"]
 
 
 def has(module: str) -> bool:
@@ -186,3 +187,13 @@ def test_the_distributed_benchmark_measures_both_libraries(library: str, schedul
     figures = distributed.measure(library, schedule, batch=16, rounds=1, timeout=120)
     assert figures["speedup"] > 0 and figures["plain_ms"] > 0 and figures["pipe_ms"] > 0
     assert 0 < figures["first_step_s"] < 120
+
+
+def test_the_language_model_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from benchmarks import language_model
+
+    results = language_model.main(["--rounds", "1", "--layers", "1", "--width", "16", "--batch", "2", "--length", "4"])
+    assert set(results["ratios"]) == {"as_sequential (tied), as a module", "GPipe, 1 partition (untied)"}
+    assert all(row["ratio"] > 0 for row in results["ratios"].values())
+    assert "ratio" in capsys.readouterr().out

@@ -7,9 +7,12 @@ namespace. Other fences (```text, ```console) are not run: use them for
 output, shell commands and signatures.
 
 A block that fails only because of a known bug outside the docs can be listed
-in ``KNOWN_FAILURES`` (strict: the test fails once the bug is fixed).
+in ``KNOWN_FAILURES`` (strict: the test fails once the bug is fixed). The
+blocks of a page that needs an optional package (``REQUIRES``) are skipped
+when it is not installed.
 """
 import doctest
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -24,6 +27,13 @@ RUN = ("python", "pycon")
 
 #: (page name, line of the opening fence) -> why the block fails for now.
 KNOWN_FAILURES: Dict[Any, str] = {}
+
+#: page name -> the optional package its code needs (an extra of setup.py).
+REQUIRES: Dict[str, str] = {"language_models.md": "transformers"}
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 class Block(NamedTuple):
@@ -65,6 +75,9 @@ def runnable() -> Iterator[Any]:
             reason = KNOWN_FAILURES.get((page.name, block.line))
             if reason:
                 marks.append(pytest.mark.xfail(strict=True, reason=reason))
+            package = REQUIRES.get(page.name)
+            if package is not None and not _installed(package):
+                marks.append(pytest.mark.skip(reason=f"{page.name} needs {package} (pip install -e '.[{package}]')"))
             yield pytest.param(block, id=f"{page.relative_to(ROOT)}:{block.line}", marks=marks)
 
 

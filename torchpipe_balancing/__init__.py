@@ -257,7 +257,8 @@ def balance_by_size(*args: Any, **kwargs: Any) -> List[int]:
     the same figure on CPU and CUDA; tensors sharing a storage count once;
     parameters and buffers excluded), plus the layer's parameter bytes times
     ``param_scale`` (the parameters themselves, their gradients and optimizer
-    state: 2.0 for plain SGD, 3.0 for SGD with momentum, 4.0 for Adam). The micro-batch is
+    state: 2.0 for plain SGD, 3.0 for SGD with momentum, 4.0 for Adam; a
+    parameter several layers hold, a tied weight, counts once). The micro-batch is
     the first of ``input`` split into ``chunks`` (like ``torch.chunk``). On
     CUDA the figure is cross-checked with the caching allocator
     (``memory_allocated`` / ``max_memory_allocated``): memory kept outside the

@@ -162,7 +162,8 @@ class LayerSize:
     #: Bytes of the tensors autograd saved for backward (parameters and buffers excluded),
     #: deduplicated by storage; on CUDA raised to what the allocator saw if it saw more.
     activation_bytes: int
-    #: Bytes of the layer's parameters (each counted once).
+    #: Bytes of the layer's parameters (each counted once; a parameter an earlier layer holds too, a tied
+    #: weight, counts in that layer only).
     parameter_bytes: int
     #: CUDA only: the allocator's peak during the forward, above what was allocated before it.
     cuda_peak_bytes: Optional[int] = None
@@ -191,13 +192,18 @@ def _storage_bytes(t: Tensor) -> int:
 
 
 def _layer_size(
-    layer: nn.Module, inputs: Any, device: torch.device, skips: _SkipTracker
+    layer: nn.Module, inputs: Any, device: torch.device, skips: _SkipTracker, counted: Set[int]
 ) -> Tuple[LayerSize, Any]:
-    """Runs ``layer`` forward on ``inputs`` and measures it; returns the measurement and the output."""
+    """Runs ``layer`` forward on ``inputs`` and measures it; returns the measurement and the output.
+
+    A parameter whose id is in ``counted`` is held by an earlier layer too (a
+    tied embedding and output projection): it counts there, not again here.
+    """
     # Parameters and buffers are kept alive by the layer, not by the micro-batch.
     own: Set[Tuple[str, int]] = {_storage_key(t) for t in layer.parameters()}
     own |= {_storage_key(t) for t in layer.buffers()}
-    parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in layer.parameters() if id(p) not in counted)
+    counted.update(id(p) for p in layer.parameters())
     before_storages = {_storage_key(t) for t in tensors_of(inputs)}
 
     saved: Dict[Tuple[str, int], int] = {}
@@ -269,10 +275,11 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int, de
     sizes: List[LayerSize] = []
     batch: Any = microbatch
     skips = _SkipTracker()
+    counted: Set[int] = set()
     with torch.enable_grad():
         for layer in module:
             inputs = _fresh_input(batch)
-            size, output = _layer_size(layer, inputs, device, skips)
+            size, output = _layer_size(layer, inputs, device, skips, counted)
             sizes.append(size)
             batch = _detached(output)
             del inputs, output

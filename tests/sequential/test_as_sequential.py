@@ -361,15 +361,22 @@ class Tied(nn.Module):
         return x @ self.embedding.weight.t()
 
 
-def test_layers_that_share_parameters_become_one() -> None:
+def test_a_module_called_twice_is_one_layer_and_a_tied_parameter_is_held_by_both_layers() -> None:
     module = Tied()
     tokens = torch.randint(0, 10, (2, 3))
     seq = torchpipe.as_sequential(module, tokens)
-    # embedding ... the tied matmul is one layer, since GPipe cannot split a parameter.
-    assert len(seq) == 1 and seq[0].name == "embedding..twice"
+    # `twice` is called at two places: everything between its calls is one layer. The embedding's weight is
+    # used again by the last matmul: both layers hold that very Parameter, under the name it has in the model.
+    assert [layer.name for layer in seq] == ["embedding", "middle", "twice..twice"]
+    assert seq[0].get_parameter("embedding.weight") is module.embedding.weight
+    assert seq[2].get_parameter("embedding.weight") is module.embedding.weight
+    assert {id(p) for p in seq.parameters()} == {id(p) for p in module.parameters()}
     assert_same_outputs(module(tokens), seq(tokens))
-    no_tie = torchpipe.as_sequential(module, tokens, split_points=["middle", "other"])
-    assert [layer.name for layer in no_tie] == ["embedding..other"]
+    expected = torch.autograd.grad(module(tokens).sum(), list(module.parameters()))
+    actual = torch.autograd.grad(seq(tokens).sum(), list(module.parameters()))
+    assert all(torch.allclose(e, a) for e, a in zip(expected, actual))
+    coarse = torchpipe.as_sequential(module, tokens, split_points=["middle", "other"])
+    assert [layer.name for layer in coarse] == ["embedding", "middle..other"]
 
 
 class WritesItsInput(nn.Module):
@@ -489,8 +496,15 @@ def test_untraceable_code_in_the_module_itself() -> None:
             return x
 
     with pytest.raises(UntraceableError, match="Loop.forward") as error:
-        torchpipe.as_sequential(Loop(), torch.randn(2, 4))
+        torchpipe.as_sequential(Loop(), torch.randn(2, 4), tracer="fx")
     assert "for _ in range(x.size(0)):" in str(error.value) and "torch.fx.wrap" in str(error.value)
+    # Without tracer='fx', torch.export traces it for the example's batch size, and only that one.
+    module = Loop()
+    seq = torchpipe.as_sequential(module, torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    assert_same_outputs(module(x), seq(x))
+    with pytest.raises(ValueError, match=r"x.shape\[0\] is 3 but the graph holds for 2 only"):
+        seq(torch.randn(3, 4))
 
 
 class Returns(nn.Module):
@@ -512,7 +526,7 @@ class Returns(nn.Module):
     "kind, described", [("dict", "a dict"), ("list", "a list"), ("int", r"a tuple \(Tensor, int\)")]
 )
 def test_outputs_that_are_not_tensors_are_a_type_error_saying_to_wrap_the_module(kind: str, described: str) -> None:
-    with pytest.raises(TypeError, match=f"Returns.forward returns {described}; wrap the module"):
+    with pytest.raises(TypeError, match=f"Returns.forward returns {described}; pass output=.*or wrap the module"):
         torchpipe.as_sequential(Returns(kind), torch.randn(2, 4))
 
 

@@ -15,8 +15,9 @@ the stashes and what it returns. For ``layer1.0.bn3`` of a ResNet::
 """
 import hashlib
 import linecache
-from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from torch import fx
 from torch.fx.graph import CodeGen
 
@@ -85,16 +86,20 @@ def _attribute_path(base: str, target: str) -> str:
     return base
 
 
-def _fast_module_calls(source: str, graph: fx.Graph, header: int) -> str:
-    """``source`` with each submodule looked up once per call through ``_modules``.
+def _fast_module_calls(
+    source: str, graph: fx.Graph, header: int, slot: Optional[Callable[[str], Optional[str]]] = None
+) -> str:
+    """``source`` with each submodule looked up once per call through ``_modules``, and attributes likewise.
 
     fx writes a submodule call as ``getattr(self.layer1, "0").conv1(x)``: one
     ``nn.Module.__getattr__`` per name, about a microsecond each, which adds
     up over the many small layers of a pipelined model. Reading ``_modules``
     is twenty times faster and still finds a submodule replaced after the code
     was made (``DeferredBatchNorm.convert`` does that). The lookups go after
-    the ``header`` lines that open the function. If fx writes calls in another
-    form, the source is returned as fx wrote it.
+    the ``header`` lines that open the function. A parameter or buffer the
+    code reads (``get_attr``) is read through ``_modules`` and its parent's
+    ``_parameters`` or ``_buffers``, as ``slot`` says where it lives. If fx
+    writes calls in another form, the source is returned as fx wrote it.
     """
     lines = source.strip("\n").split("\n")
     if not lines[0].startswith("def forward(self, input):") or len(lines) <= header:
@@ -112,7 +117,46 @@ def _fast_module_calls(source: str, graph: fx.Graph, header: int) -> str:
             return source
         body = body.replace(call, alias + "(")
         lookups.append(f"    {alias} = self" + "".join(f"._modules[{atom!r}]" for atom in target.split(".")))
+    if slot is not None:
+        for node in graph.nodes:
+            if node.op != "get_attr":
+                continue
+            target = str(node.target)
+            where = slot(target)
+            read = f" = {_attribute_path('self', target)}\n"
+            if where is None or read not in body + "\n":
+                continue
+            parent, _, attr = target.rpartition(".")
+            path = "self" + "".join(f"._modules[{atom!r}]" for atom in parent.split(".") if parent)
+            body = (body + "\n").replace(read, f" = {path}.{where}[{attr!r}]\n").rstrip("\n")
     return "\n".join(line.rstrip() for line in lines[:header] + lookups + body.split("\n"))
+
+
+def _direct_operator_calls(source: str, graph: fx.Graph) -> Tuple[str, Dict[str, Any]]:
+    """``source`` with each ATen operator called directly rather than through its ``OpOverload``.
+
+    A graph traced by ``torch.export`` calls ATen operators, which fx writes
+    as ``torch.ops.aten.view.default(x, ...)``: four attribute lookups and a
+    Python ``OpOverload.__call__`` that only forwards to the C++ function it
+    holds (``OpOverload._op``), about a microsecond per operator and over a
+    hundred operators per transformer block. The code calls that function
+    under a name of its own instead. Returns the source and the names to add
+    to its globals.
+    """
+    operators: Dict[str, Any] = {}
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        function = getattr(target, "_op", None)
+        namespace, _, name = target._schema.name.partition("::")
+        written = f"torch.ops.{namespace}.{name}.{target._overloadname}("
+        alias = f"_op_{namespace}_{name}_{target._overloadname}"
+        if function is None or written not in source or not alias.isidentifier() or alias in operators:
+            continue
+        source = source.replace(written, alias + "(")
+        operators[alias] = function
+    return source, operators
 
 
 def compile_forward(
@@ -124,6 +168,7 @@ def compile_forward(
     stashes: Sequence[str],
     carried: int,
     returns_tuple: bool,
+    slot: Optional[Callable[[str], Optional[str]]] = None,
 ) -> Tuple[str, Callable[..., Any]]:
     """The ``forward(self, input)`` of layer ``name`` for ``graph``: its source and the function.
 
@@ -134,11 +179,13 @@ def compile_forward(
     graph.set_codegen(_LayerCodeGen(received, pops, stashes, carried, returns_tuple))
     python = graph.python_code(root_module="self")
     header = 2 + (1 if pops or stashes else 0) + len(pops)
-    source = _fast_module_calls(python.src, graph, header).strip("\n") + "\n"
+    source = _fast_module_calls(python.src, graph, header, slot).strip("\n") + "\n"
+    source, operators = _direct_operator_calls(source, graph)
     # Registered so that a traceback through a layer shows the generated line; named after the code, so
     # that copies of a layer share one entry.
     filename = f"<torchpipe.as_sequential layer {name} {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     scope: Dict[str, Any] = dict(python.globals)
+    scope.update(operators)
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - code generated from the graph
     return source, scope["forward"]

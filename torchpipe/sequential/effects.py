@@ -171,13 +171,32 @@ def written_input(node: fx.Node, modules: Mapping[str, Any]) -> Optional[fx.Node
         return None
     target = node.target
     assert callable(target), f"call_function target {target!r} is not callable"
+    if isinstance(target, torch._ops.OpOverload):
+        return _schema_argument(node, target, write=True)
     if target in _INPLACE_OPERATORS:
         return _first_node(node)
     name = getattr(target, "__name__", "")
-    if _from_torch(target) and name.endswith("_") and not name.startswith("_"):
+    if (_from_torch(target) or getattr(target, "__objclass__", None) is torch._C.TensorBase) and (
+        name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITING
+    ):
         return _first_node(node)
     if _inplace_argument(target, node):
         return _first_node(node)
+    return None
+
+
+def _schema_argument(node: fx.Node, op: Any, write: bool) -> Optional[fx.Node]:
+    """The argument of an ATen operator that its schema says it writes (``Tensor(a!)``) or, for
+    ``write=False``, that its result may alias (``Tensor(a)``, a view)."""
+    schema = op._schema
+    if not write and not any(r.alias_info is not None for r in schema.returns):
+        return None
+    for i, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None or (write and not info.is_write):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+        return value if isinstance(value, fx.Node) else None
     return None
 
 
@@ -189,6 +208,8 @@ def aliased_input(node: fx.Node, modules: Mapping[str, Any]) -> Optional[fx.Node
         return _first_node(node)
     if node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
         return _first_node(node)
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return _schema_argument(node, node.target, write=False)
     if node.op == "call_module":
         module = modules[str(node.target)]
         if isinstance(module, _ALIASING_MODULES):

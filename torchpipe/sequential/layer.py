@@ -1,7 +1,10 @@
 """``TracedLayer``: one layer of a Sequential made by ``as_sequential``, running code generated from the graph."""
+import dataclasses
+import itertools
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
+import torch
 from torch import Tensor, fx, nn
 
 from torchpipe.sequential.codegen import compile_forward
@@ -9,10 +12,68 @@ from torchpipe.skip.namespace import Namespace
 from torchpipe.skip.skippable import Skippable
 from torchpipe.types import TensorOrTensors
 
-__all__ = ["TracedLayer"]
+__all__ = ["TracedLayer", "LayerCode"]
 
 #: (path of the attribute in the layer, the module that owns the original, its name there)
 _Borrowed = Tuple[str, nn.Module, str]
+
+
+@dataclasses.dataclass
+class LayerCode:
+    """A layer's computation in one mode: its graph and how it takes, passes on, stashes and pops values."""
+
+    #: Placeholders: the received values, then the popped ones; output: a flat tuple of the values passed
+    #: on (or the module's output), then the stashed ones.
+    graph: fx.Graph
+    #: The names of the received values.
+    received: List[str]
+    #: The skip names popped, in the order of the graph's placeholders after the received ones.
+    pops: List[str]
+    #: The skip names stashed, in the order of the graph's outputs after the ones passed on.
+    stashes: List[str]
+    #: How many of the outputs are passed on.
+    carried: int
+    #: Whether the layer returns a tuple (the last layer of a module that returns one).
+    returns_tuple: bool
+
+
+class _Op:
+    """An ATen operator by name, for pickling (``torch._ops.OpOverload`` objects cannot be pickled)."""
+
+    def __init__(self, op: Any) -> None:
+        self.namespace, _, self.op = op._schema.name.partition("::")
+        self.overload = op._overloadname
+
+    def resolve(self) -> Any:
+        return getattr(getattr(getattr(torch.ops, self.namespace), self.op), self.overload)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # fx checks that targets are callable
+        return self.resolve()(*args, **kwargs)
+
+
+def _copy(graph: fx.Graph, target: Callable[[Any], Any]) -> fx.Graph:
+    """A fresh copy of ``graph`` (no state from code generated before) with every target passed through ``target``."""
+    copied = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        args = fx.map_arg(node.args, env.__getitem__)
+        kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+        if node.op == "output":
+            copied.output(args[0])
+            continue
+        env[node] = copied.create_node(node.op, target(node.target), args, kwargs, node.name)
+    return copied
+
+
+def _portable(code: LayerCode) -> LayerCode:
+    """``code`` for pickling: ATen operators by name (``OpOverload`` objects cannot be pickled)."""
+    return dataclasses.replace(
+        code, graph=_copy(code.graph, lambda t: _Op(t) if isinstance(t, torch._ops.OpOverload) else t)
+    )
+
+
+def _restored(code: LayerCode) -> LayerCode:
+    return dataclasses.replace(code, graph=_copy(code.graph, lambda t: t.resolve() if isinstance(t, _Op) else t))
 
 
 class TracedLayer(Skippable):
@@ -27,12 +88,14 @@ class TracedLayer(Skippable):
     :mod:`torchpipe.skip` stashes and pops, so the layer also works in a
     plain ``nn.Sequential``.
 
+    A layer of a module traced by ``torch.export`` holds the parameters and
+    buffers it reads (its code calls ATen operators, not submodules) and has
+    code for each mode (see [Note: two modes]); the first layer checks that its
+    inputs are in the domain the graph holds for.
+
     Attributes:
         name: the qualified name of the submodule call that starts the layer
             (``'layer1.0.conv1'``).
-        code: the generated source of the layer's computation.
-        torchpipe_draws_random: whether the layer's own code (not the
-            submodules it calls) may draw random numbers.
 
     Example::
 
@@ -42,43 +105,44 @@ class TracedLayer(Skippable):
     """
 
     name: str
-    code: str
-    torchpipe_draws_random: bool
 
     def __init__(
         self,
         name: str,
-        graph: fx.Graph,
+        codes: Dict[Optional[bool], LayerCode],
         attributes: Dict[str, Any],
         borrowed: Sequence[_Borrowed],
         *,
         persistent: Set[str],
-        received: Sequence[str],
         pops: Sequence[Tuple[str, int]],
         stashes: Sequence[Tuple[str, int]],
-        carried: int,
-        returns_tuple: bool,
-        draws_random: bool,
+        draws_random: Dict[Optional[bool], bool],
         namespace: Namespace,
+        guards: Optional[Dict[bool, Callable[[Any], None]]] = None,
+        missing: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.name = name
-        self.torchpipe_draws_random = draws_random
-        self._graph = graph
-        self._received = tuple(received)
+        #: The code per mode: one entry, None, for an fx graph; True and False for an exported one.
+        self._codes = dict(codes)
+        self._draws = dict(draws_random)
         #: (skip name, the layer that stashes it)
         self._pops = tuple(pops)
         #: (skip name, the layer that pops it)
         self._stashes = tuple(stashes)
-        self._carried = carried
-        self._returns_tuple = returns_tuple
         self._borrowed: List[_Borrowed] = list(borrowed)
+        self._guards = dict(guards or {})
+        #: Why the layer has no code for a mode (export only).
+        self._missing = missing
+        #: Set when the layer's tensors were converted to dtypes the graph was not traced with (export only).
+        self._stale: Optional[str] = None
         # Skippable reads its skip names from these; they differ per layer, so they live on the instance.
         self.__dict__["stashable_names"] = frozenset(n for n, _ in stashes)
         self.__dict__["poppable_names"] = frozenset(n for n, _ in pops)
         if pops or stashes:
             self.isolate(namespace)
         self._install(attributes, persistent)
+        self._dtypes = {} if None in self._codes else self._floating_dtypes()
         self._compile()
 
     # --- construction ---
@@ -106,28 +170,77 @@ class TracedLayer(Skippable):
             elif parent._buffers.get(attr) is not value:
                 parent.register_buffer(attr, value, persistent=path in persistent)
 
+    def _slot(self, target: str) -> Optional[str]:
+        """Which dictionary of its parent module holds ``target`` (``'_parameters'``), for the generated code."""
+        parent_path, _, attr = target.rpartition(".")
+        parent: Optional[nn.Module] = self
+        for atom in parent_path.split(".") if parent_path else []:
+            parent = parent._modules.get(atom) if parent is not None else None
+        if parent is None:
+            return None
+        for slot in ("_parameters", "_buffers", "_modules"):
+            if attr in getattr(parent, slot):
+                return slot
+        return None
+
     def _compile(self) -> None:
-        source, run = compile_forward(
-            self._graph,
-            self.name,
-            received=len(self._received),
-            pops=[name for name, _ in self._pops],
-            stashes=[name for name, _ in self._stashes],
-            carried=self._carried,
-            returns_tuple=self._returns_tuple,
+        runs: Dict[Optional[bool], Callable[..., Any]] = {}
+        sources: Dict[Optional[bool], str] = {}
+        for mode, code in self._codes.items():
+            sources[mode], runs[mode] = compile_forward(
+                code.graph,
+                self.name,
+                received=len(code.received),
+                pops=code.pops,
+                stashes=code.stashes,
+                carried=code.carried,
+                returns_tuple=code.returns_tuple,
+                slot=self._slot,
+            )
+        self.__dict__["_sources"] = sources
+        if None in runs and not self._guards:
+            # The generated function is the forward itself: no trampoline for the many small layers of a
+            # pipeline. Copies and unpickled layers make their own (see __getstate__).
+            self.__dict__["forward"] = types.MethodType(runs[None], self)
+            return
+        guards = self._guards
+
+        def forward(layer: "TracedLayer", input: Any) -> Any:
+            run = runs.get(layer.training if None not in runs else None)
+            if run is None:
+                raise RuntimeError(layer._refusal())
+            if layer._stale is not None:
+                raise RuntimeError(layer._stale)
+            guard = guards.get(layer.training)
+            if guard is not None:
+                guard(input)
+            return run(layer, input)
+
+        self.__dict__["forward"] = types.MethodType(forward, self)
+
+    def _refusal(self) -> str:
+        traced = next(iter(self._codes))
+        mode, other = ("training", "eval") if traced else ("eval", "training")
+        call = "model.eval()" if traced else "model.train()"
+        return (
+            f"layer {self.name!r} runs the graph torch.export traced in {mode} mode and has none for {other} "
+            f"mode: {self._missing}. Convert the model again in {other} mode, "
+            f"as_sequential({call}, ...): the two Sequentials share the model's parameters"
         )
-        self.__dict__["code"] = source
-        # The generated function is the forward itself: no trampoline for the many small layers of a
-        # pipeline. Copies and unpickled layers make their own (see __getstate__).
-        self.__dict__["forward"] = types.MethodType(run, self)
+
+    def _floating_dtypes(self) -> Dict[str, torch.dtype]:
+        tensors = itertools.chain(self.named_parameters(), self.named_buffers())
+        return {name: t.dtype for name, t in tensors if t.is_floating_point()}
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for made in ("forward", "code"):  # made by exec; rebuilt from the graph
+        for made in ("forward", "_sources"):  # made by exec; rebuilt from the graph
             state.pop(made, None)
+        state["_codes"] = {mode: _portable(code) for mode, code in self._codes.items()}
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        state["_codes"] = {mode: _restored(code) for mode, code in state["_codes"].items()}
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._compile()
 
@@ -140,7 +253,53 @@ class TracedLayer(Skippable):
             parent = self.get_submodule(parent_path) if parent_path else self
             if name in parent._buffers:
                 owner._buffers[attr] = parent._buffers[name]
+        if self._dtypes:
+            # An exported graph has the traced dtypes in it (``.to(torch.float64)``); see [Note: export].
+            changed = {n: d for n, d in self._floating_dtypes().items() if self._dtypes.get(n, d) != d}
+            self._stale = None if not changed else (
+                f"layer {self.name!r} runs a graph torch.export traced with "
+                f"{self._dtypes[next(iter(changed))]} tensors, but {', '.join(sorted(changed))} "
+                f"{'is' if len(changed) == 1 else 'are'} now {next(iter(changed.values()))}; exported graphs "
+                "hold for the dtypes they were traced with: convert the model first, then call as_sequential"
+            )
         return self
+
+    # --- the code of the current mode ---
+
+    def _code(self) -> LayerCode:
+        codes = self._codes
+        if None in codes:
+            return codes[None]
+        return codes.get(self.training) or next(iter(codes.values()))
+
+    @property
+    def code(self) -> str:
+        """The generated source of the layer's computation (for an exported module: of its current mode)."""
+        sources = self.__dict__["_sources"]
+        if None in sources:
+            return str(sources[None])
+        return str(sources.get(self.training) or next(iter(sources.values())))
+
+    @property
+    def torchpipe_draws_random(self) -> bool:
+        """Whether the layer's own code (not the submodules it calls) may draw random numbers, in any mode."""
+        return any(self._draws.values())
+
+    @property
+    def _graph(self) -> fx.Graph:
+        return self._code().graph
+
+    @property
+    def _received(self) -> Tuple[str, ...]:
+        return tuple(self._code().received)
+
+    @property
+    def _carried(self) -> int:
+        return self._code().carried
+
+    @property
+    def _returns_tuple(self) -> bool:
+        return self._code().returns_tuple
 
     # --- running ---
 

@@ -11,8 +11,9 @@ the skips ([Note: liveness]).
 [Note: merging] Two segments, and every one between them, become one layer
 when:
 
-* they use the same parameter or buffer (a module called twice, tied weights):
-  GPipe cannot split a parameter between partitions;
+* they call the same submodule (a module called twice) or use the same
+  buffer: its state (running statistics, hooks, a buffer written in place)
+  would be in two places once the layers are on different stages;
 * a value that is not a tensor (a size, a tuple a module returned) is made in
   one and used in the other, and cannot be recomputed where it is used (it is
   recomputed when it comes from a plain function call such as ``x.size(0)``);
@@ -20,6 +21,15 @@ when:
   reads that tensor too (see [Note: writes]);
 * nothing passes from a segment to the next one (a layer must return a
   tensor) and no tensor of the earlier one can be relayed ([Note: liveness]).
+
+[Note: ties] Segments that use the same *parameter* are not merged: a language
+model's token embedding and output projection share one ``Parameter``
+(``lm_head.weight is transformer.wte.weight``), and merging everything between
+its two uses would make the whole model one layer. Each layer holds that very
+``Parameter`` object, under the name the submodule that uses it gives it
+(``transformer.wte.weight`` in the embedding's layer, ``lm_head.weight`` in the
+head's), so the Sequential's ``parameters()`` are the model's; the runtime
+keeps the holders' copies in step when they are on different stages.
 
 [Note: writes] A layer never writes in place a tensor it received: inside
 GPipe a received tensor is the partition's input or a skip, which a
@@ -91,17 +101,27 @@ def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _anchors(ops: Sequence[fx.Node], modules: Mapping[str, Any], split_points: Optional[Sequence[str]]) -> List[
+def _has_state(module: nn.Module) -> bool:
+    """The module itself holds a parameter or buffer (a module without, called twice, may be split)."""
+    return any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _anchors(ops: Sequence[fx.Node], traced: Traced, split_points: Optional[Sequence[str]]) -> List[
     Tuple[int, str]
 ]:
-    """Where segments start: (position in ``ops``, name), one per call of a parameter module or split point."""
+    """Where segments start: (position in ``ops``, name), one per call of a parameter module or split point.
+
+    In an fx graph a call of a parameter module is a call_module node; in an
+    exported graph (see [Note: export]) it is the first operator recorded in a
+    call of one of ``traced.anchors``.
+    """
     anchors: List[Tuple[int, str]] = []
-    if split_points is None:
+    if split_points is None and traced.anchors is None:
         for position, node in enumerate(ops):
-            if node.op == "call_module" and _holds_parameters(modules[str(node.target)]):
+            if node.op == "call_module" and _holds_parameters(traced.attrs[str(node.target)]):
                 anchors.append((position, str(node.target)))
         return anchors
-    wanted = set(split_points)
+    wanted = set(split_points if split_points is not None else traced.anchors or ())
     seen: Set[Tuple[str, int]] = set()
     for position, node in enumerate(ops):
         for call in node.meta.get(SCOPE, ()):
@@ -119,7 +139,7 @@ def called_split_points(graph: fx.Graph) -> Set[str]:
 
 def _first_segments(traced: Traced, split_points: Optional[Sequence[str]], default_name: str) -> List[_Segment]:
     ops = [node for node in traced.graph.nodes if node.op in _CALLS]
-    anchors = _anchors(ops, traced.attrs, split_points)
+    anchors = _anchors(ops, traced, split_points)
     if not ops:
         return [_Segment([], [default_name])]
     if not anchors:
@@ -200,14 +220,16 @@ class _Analysis:
             holders.append(home + 1)
         return max(holders) if holders else home
 
-    # --- shared parameters and buffers ---
+    # --- shared modules and buffers ---
 
     def _state_of(self, node: fx.Node) -> List[int]:
+        """What a node uses that two layers cannot both hold: submodules it calls and buffers (see [Note: ties])."""
         value = self.traced.attrs.get(str(node.target))
         if node.op == "call_module":
             assert isinstance(value, nn.Module)
-            return [id(t) for t in value.parameters()] + [id(t) for t in value.buffers()]
-        if node.op == "get_attr" and str(node.target) in self.owners:
+            stateful = [m for m in value.modules() if _has_state(m)]
+            return [id(m) for m in stateful] + [id(t) for t in value.buffers()]
+        if node.op == "get_attr" and str(node.target) in self.owners and not isinstance(value, nn.Parameter):
             return [id(value)]
         return []
 

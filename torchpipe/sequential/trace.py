@@ -1,24 +1,25 @@
 """Tracing a module with ``torch.fx`` for :func:`~torchpipe.as_sequential`, and its failures as clear errors.
 
-[Note: tracer] ``torch.fx`` symbolic tracing, not ``torch.export``: fx keeps a
-call of a leaf submodule (``nn.Conv2d``, ``nn.BatchNorm2d``,
-``nn.TransformerEncoderLayer``) as one call of that very module object, so the
-generated layers hold the module's own submodules, ``.train()``/``.eval()``,
-hooks and ``DeferredBatchNorm`` keep working on them, and each layer reads like
-the model's code. ``torch.export`` lowers everything to ATen operators with
-train/eval and BatchNorm's buffer updates baked into the graph, and
-specialises shapes, which micro-batches of changing size would break. The price
-of fx is that Python control flow on tensor values (and on shapes) cannot be
-traced; :class:`UntraceableError` says where, and ``leaf_modules`` keeps such a
-submodule whole.
+[Note: tracer] ``torch.fx`` symbolic tracing first, ``torch.export`` only
+where fx cannot: fx keeps a call of a leaf submodule (``nn.Conv2d``,
+``nn.BatchNorm2d``, ``nn.TransformerEncoderLayer``) as one call of that very
+module object, so the generated layers hold the module's own submodules,
+``.train()``/``.eval()``, hooks and ``DeferredBatchNorm`` keep working on them,
+and each layer reads like the model's code. ``torch.export`` lowers everything
+to ATen operators with train/eval, dtypes and devices baked into the graph,
+and specialises shapes where the model needs it. The price of fx is that
+Python control flow on tensor values (and on shapes) cannot be traced;
+:class:`UntraceableError` says where, and ``leaf_modules`` keeps such a
+submodule whole. Hugging Face language models all branch on shapes (their
+masks), so :func:`~torchpipe.as_sequential` then traces with export, and
+``export.py`` deals with what it bakes in (see [Note: export]).
 """
 import contextlib
 import dataclasses
 import functools
-import inspect
 import os
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 from torch import Tensor, fx, nn
@@ -26,8 +27,9 @@ from torch.fx.proxy import Proxy, TraceError
 from torch.overrides import TorchFunctionMode
 
 from torchpipe.sequential.effects import call_draws_random
+from torchpipe.sequential.example import ROOT, ExampleCall, entry
 
-__all__ = ["UntraceableError", "Traced", "Scope", "trace", "SCOPE"]
+__all__ = ["UntraceableError", "Traced", "Scope", "trace", "layer_modules", "relative_name", "fetch", "SCOPE"]
 
 #: ``node.meta[SCOPE]``: the submodule calls a node was recorded in, outermost first.
 SCOPE = "torchpipe_scope"
@@ -36,7 +38,7 @@ SCOPE = "torchpipe_scope"
 Scope = Tuple[str, int]
 
 #: The name of the wrapper's child that holds the user's module while tracing.
-_ROOT = "module"
+_ROOT = ROOT
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
@@ -67,6 +69,17 @@ class Traced:
     kinds: Dict[fx.Node, type]
     #: Targets of get_attr nodes that hold constants made while tracing (not the module's own tensors).
     constants: Set[str]
+    #: Which tracer made the graph: ``'fx'`` (calls of leaf submodules are call_module nodes) or
+    #: ``'export'`` (ATen operators only; see [Note: export]).
+    tracer: str = "fx"
+    #: export: the submodules whose calls start layers (fx: the call_module nodes of modules with parameters).
+    anchors: Optional[List[str]] = None
+    #: export: the devices the graph's operators were traced with; each layer uses its input's device instead.
+    devices: FrozenSet[torch.device] = frozenset()
+    #: export: the check of the inputs for which the graph holds (shapes, dtypes).
+    guard: Optional[Any] = None
+    #: export: the mode (``module.training``) the graph was traced in; the graph holds for that mode only.
+    training: Optional[bool] = None
 
 
 # --- tracing rules for torch.nn containers whose forward fx cannot trace ---------------------------
@@ -179,6 +192,41 @@ def _owns_parameters_directly(module: nn.Module) -> bool:
     return own and not any(_holds_parameters(child) for child in module.children())
 
 
+def _kept_whole(module: nn.Module, name: str, leaf_names: Set[str], leaf_types: Tuple[type, ...]) -> bool:
+    """Whether tracing keeps a call of ``module`` (at qualified ``name``) as one operation: the leaf rule."""
+    if name in leaf_names or (leaf_types and isinstance(module, leaf_types)):
+        return True
+    if isinstance(module, _CONTAINERS) or _rule(module) is not None:
+        return False
+    if module.__module__.startswith(("torch.nn", "torch.ao.nn")):
+        return True
+    return _owns_parameters_directly(module)
+
+
+def layer_modules(module: nn.Module, leaf_modules: Sequence[Union[str, Type[nn.Module]]] = ()) -> List[str]:
+    """The submodules whose calls start layers: those kept whole (the leaf rule) that hold parameters.
+
+    Qualified names, in ``named_modules`` order; none is inside another. The
+    fx tracer keeps these whole as call_module nodes; for a graph of ATen
+    operators (``torch.export``) they are where layers start.
+    """
+    leaf_names = {n for n in leaf_modules if isinstance(n, str)}
+    leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
+    found: List[str] = []
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for child_name, child in parent.named_children():
+            name = f"{prefix}{child_name}"
+            if _kept_whole(child, name, leaf_names, leaf_types):
+                if _holds_parameters(child):
+                    found.append(name)
+            else:
+                visit(child, name + ".")
+
+    visit(module, "")
+    return found
+
+
 # --- the tracer ------------------------------------------------------------------------------------
 
 
@@ -196,21 +244,14 @@ class _Tracer(fx.Tracer):
         self.failed_in: Optional[Tuple[Scope, ...]] = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        name = _relative(module_qualified_name)
         if m is self.module:
             return False
-        if name in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
-            return True
-        if isinstance(m, _CONTAINERS) or _rule(m) is not None:
-            return False
-        if m.__module__.startswith(("torch.nn", "torch.ao.nn")):
-            return True
-        return _owns_parameters_directly(m)
+        return _kept_whole(m, relative_name(module_qualified_name), self.leaf_names, self.leaf_types)
 
     def call_module(
         self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
     ) -> Any:
-        name = _relative(self.path_of_module(m))
+        name = relative_name(self.path_of_module(m))
         count = self.counts.get(name, 0)
         self.counts[name] = count + 1
         self.stack.append((name, count))
@@ -281,61 +322,13 @@ def _rule(module: nn.Module) -> Optional[Callable[..., Any]]:
     return None
 
 
-def _relative(qualified_name: str) -> str:
+def relative_name(qualified_name: str) -> str:
     """A qualified name in the tracing wrapper, as a qualified name in the user's module."""
     if qualified_name == _ROOT:
         return ""
     if qualified_name.startswith(_ROOT + "."):
         return qualified_name[len(_ROOT) + 1 :]
     return qualified_name
-
-
-def _entry(module: nn.Module, example_args: Sequence[Any], names: Sequence[str]) -> nn.Module:
-    """A wrapper whose ``forward`` takes the tensor arguments only and calls ``module`` with all of them.
-
-    fx makes one placeholder per parameter of the traced ``forward``; the
-    wrapper's ``forward`` is written for the tensor arguments, so the others
-    (and the defaults of parameters not given) reach ``module`` as the plain
-    Python values they are, and tracing specialises on them.
-    """
-    positions = [i for i, a in enumerate(example_args) if isinstance(a, Tensor)]
-    fixed = list(example_args)
-
-    def arguments(tensors: Sequence[Any]) -> List[Any]:
-        values = list(fixed)
-        for position, tensor in zip(positions, tensors):
-            values[position] = tensor
-        return values
-
-    parameters = ", ".join(names)
-    source = f"def forward(self, {parameters}):\n    return self.{_ROOT}(*arguments(({parameters},)))\n"
-    scope: Dict[str, Any] = {"arguments": arguments}
-    exec(compile(source, "<torchpipe.as_sequential entry>", "exec"), scope)  # noqa: S102 - our own code
-    entry_type = type("AsSequentialEntry", (nn.Module,), {"forward": scope["forward"]})
-    entry: nn.Module = entry_type()
-    entry.add_module(_ROOT, module)
-    return entry
-
-
-def _argument_names(module: nn.Module, example_args: Sequence[Any]) -> List[str]:
-    """Names for the placeholders: the ``forward`` parameters' names where known, ``input<i>`` otherwise."""
-    try:
-        parameters = [
-            p.name
-            for p in inspect.signature(module.forward).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        parameters = []
-    names: List[str] = []
-    for i, arg in enumerate(example_args):
-        if not isinstance(arg, Tensor):
-            continue
-        name = parameters[i] if i < len(parameters) else f"input{i}"
-        if not name.isidentifier() or name in ("self", "arguments") or name in names:
-            name = f"input{i}"
-        names.append(name)
-    return names
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -421,10 +414,10 @@ class _Recorder(fx.Interpreter):
 
 def trace(
     module: nn.Module,
-    example_args: Sequence[Any],
+    call: ExampleCall,
     leaf_modules: Sequence[Union[str, Type[nn.Module]]] = (),
 ) -> Traced:
-    """Traces ``module(*example_args)`` and runs the graph once on the example arguments.
+    """Traces ``module`` called as ``call`` says, and runs the graph once on the example inputs.
 
     The run records what each node computes (a tensor or something else); it
     runs without grad, and every buffer and the random generators are put back
@@ -435,21 +428,20 @@ def trace(
     """
     leaf_names = {n for n in leaf_modules if isinstance(n, str)}
     leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
-    names = _argument_names(module, example_args)
-    entry = _entry(module, example_args, names)
+    wrapper = entry(module, call)
     tracer = _Tracer(module, leaf_names, leaf_types)
     try:
         with _RandomCalls(tracer):
-            graph = tracer.trace(entry)
+            graph = tracer.trace(wrapper)
     except Exception as error:
         raise _untraceable(module, tracer, error) from error
 
-    graph, attrs, constants = _relative_graph(graph, entry)
+    graph, attrs, constants = _relative_graph(graph, wrapper)
     inputs = [node for node in graph.nodes if node.op == "placeholder"]
 
     runnable = fx.GraphModule(attrs, graph)
     recorder = _Recorder(runnable)
-    tensors = [a for a in example_args if isinstance(a, Tensor)]
+    tensors = call.tensors
     devices = [t.device for t in tensors] + [p.device for p in module.parameters()]
     with _state_kept(module, devices):
         recorder.run(*tensors)
@@ -472,10 +464,10 @@ def _relative_graph(graph: fx.Graph, entry: nn.Module) -> Tuple[fx.Graph, Dict[s
         target = node.target
         if node.op in ("call_module", "get_attr"):
             assert isinstance(target, str), f"fx target {target!r} is not a qualified name"
-            attrs[_relative(target)] = _fetch(entry, target)
-            if _relative(target) == target:
+            attrs[relative_name(target)] = fetch(entry, target)
+            if relative_name(target) == target:
                 constants.add(target)
-            target = _relative(target)
+            target = relative_name(target)
         name = node.name
         if node.op in ("call_module", "get_attr") and name.startswith(prefix):
             name = name[len(prefix) :]
@@ -488,7 +480,7 @@ def _relative_graph(graph: fx.Graph, entry: nn.Module) -> Tuple[fx.Graph, Dict[s
     return relative, attrs, constants
 
 
-def _fetch(root: nn.Module, target: str) -> Any:
+def fetch(root: nn.Module, target: str) -> Any:
     value: Any = root
     for atom in target.split("."):
         value = getattr(value, atom)
