@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torchpipe import microbatch, trace
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
+from torchpipe.clip import clip_grad_norm
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
@@ -193,6 +194,7 @@ class Pipeline(nn.Module):
                 self.add_module(name, layer)
         self._stages = stages
         self._ties = ties
+        self.data_parallel = None if on_mesh is None else on_mesh.mode
         self._runner = Runner(stages, stage_devices, plan, stage_workers, worker_devices, layout)
         self._runner.share(shared_stages(stages, ties))
         if self._channel is None:
@@ -289,6 +291,42 @@ class Pipeline(nn.Module):
             raise moving_denied("Pipeline", "stages", "pipe")
         super().to(*args, **kwargs)
         return self
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clips the whole model's gradients as ``torch.nn.utils.clip_grad_norm_`` on the plain module would.
+
+        The norm covers every stage on every rank (and, on a mesh, every
+        replica's shard), a tied parameter counted once; every rank scales its
+        gradients by the same factor and gets the same total norm. Across
+        processes every rank calls it (it is a collective).
+
+        Returns:
+            The total norm of the gradients, before clipping.
+        """
+        params = list(self.parameters())
+        counted = self._counted(params)
+        exchange = None if self._channel is None else self._channel.exchange
+        return clip_grad_norm(params, counted, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+                              exchange=exchange)
+
+    def _counted(self, params: List[nn.Parameter]) -> List[nn.Parameter]:
+        """This rank's parameters that make its share of the whole model's norm: a tied parameter on the first
+        holder's copy only, and replicated gradients on the first replica only."""
+        channel = self._channel
+        if channel is not None and channel.replicas > 1 and self.data_parallel == "replicate" and channel.replica:
+            return []
+        copies = set()
+        for tie in self._ties:
+            held = [(h, stage) for stage in self._stages if stage is not None
+                    for h in tie.holders if h.layer in stage._modules]
+            first = [param for h, stage in held if h == tie.holders[0] for param in [h.get(stage)]]
+            for h, stage in held:
+                param = h.get(stage)
+                if not first or param is not first[0]:
+                    copies.add(id(param))
+        return [p for p in params if id(p) not in copies]
 
     def full_state_dict(self) -> Dict[str, Any]:
         """The whole module's state dict with the plain module's keys (loadable into it, or any Pipeline).

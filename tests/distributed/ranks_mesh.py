@@ -60,6 +60,11 @@ def tied_across_ranks(rank: int, world: int) -> List[str]:
             if not torch.allclose(loss, expected.detach()):
                 problems.append(f"{schedule} step {step}: loss {loss.item()} != {expected.item()}")
             _compare(f"{schedule} step {step}", pipe, plain, problems)
+            norm = pipe.clip_grad_norm_(0.05)  # the whole model's norm, the tie counted once
+            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+            if not torch.allclose(norm, expected_norm):
+                problems.append(f"{schedule} step {step}: norm {norm.item()} != {expected_norm.item()}")
+            _compare(f"{schedule} step {step} clipped", pipe, plain, problems)
             optimizer.step()
             reference.step()
             optimizer.zero_grad()
@@ -101,6 +106,11 @@ def replicate_transparency(rank: int, world: int, mode: str, dp: int, pp: int) -
                 if not torch.allclose(loss, expected.detach()):
                     problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
                 _compare(case, pipe, plain, problems)
+            norm = pipe.clip_grad_norm_(0.05, norm_type=3.0)  # over both dimensions
+            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type=3.0)
+            if not torch.allclose(norm, expected_norm):
+                problems.append(f"{mode} {schedule} round {round}: norm {norm.item()} != {expected_norm.item()}")
+            _compare(f"{mode} {schedule} round {round} clipped", pipe, plain, problems)
             optimizer.step()
             reference.step()
             optimizer.zero_grad()

@@ -147,7 +147,7 @@ class Channel:
         old = self.sequence - 3
         if old > 0:  # forget old steps' keys (this rank's own)
             keys = [f"start/{old}/{self.replica}", f"loss/{old}/{self.replica}", f"failed/{old}",
-                    f"done/{old}/{self.index}", f"left/{old}/{self.index}"]
+                    f"done/{old}/{self.index}", f"left/{old}/{self.index}", f"exchange/{old}/{self.index}"]
             if self.index == 0:
                 keys += [f"ready/{old}", f"fate/{old}"]
             for key in keys:
@@ -217,6 +217,15 @@ class Channel:
         # abort messages to this one, whose step must then start and take them (see [Note: abort messages]).
         self._wait(sequence, [name], keys_first=True)
         return _parse(self.store.get(name))
+
+    def exchange(self, values: Sequence[float]) -> List[List[float]]:
+        """Every rank's ``values`` (of every replica), in the mesh's rank order; a collective, through the
+        store (exact: floats as hexadecimal text)."""
+        sequence = self.next_sequence()
+        self.store.set(f"exchange/{sequence}/{self.index}", " ".join(float(v).hex() for v in values))
+        names = [f"exchange/{sequence}/{r}" for r in range(self.count)]
+        self._wait(sequence, names)
+        return [_parse(self.store.get(name)) for name in names]
 
     def commit(self, sequence: int) -> None:
         """Returns once every rank (of every replica) will run step ``sequence``; raises if one failed first.

@@ -228,9 +228,12 @@ def sum_copies(
         for grad in found:
             assert grad is not None
             total = grad.clone() if total is None else total.add_(grad.to(total.device))
-        seen = set()
+        seen: List[int] = []
         for s, k in places:
             param = stage_params[s][k]
             first = id(param) not in seen
-            seen.add(id(param))
-            grads[s][k] = total.to(param.device) if first and total is not None else None
+            seen.append(id(param))
+            if not first or total is None:
+                grads[s][k] = None
+            else:  # each copy its own tensor (the engine may make it the copy's .grad)
+                grads[s][k] = total if len(seen) == 1 else total.to(param.device, copy=True)
