@@ -202,6 +202,29 @@ class Pipeline(nn.Module):
                 self._runner.hooks.append(TiedCopies(copies))
         else:
             connect_stages(self._runner, self._channel, ties, copies, on_mesh)
+            self._name_copies_as_their_first_holder()
+
+    def _name_copies_as_their_first_holder(self) -> None:
+        """A rank that holds a copy of a tied parameter but not its first holder's layer also holds the copy
+        under the first holder's name (an extra child that holds only it), first: so the copy's first name,
+        which the optimizer's state dict and DCP key it by, is the same under every layout."""
+        aliases: Dict[str, nn.Module] = {}
+        for tie in self._ties:
+            first = tie.holders[0]
+            if first.layer in self._modules:
+                continue
+            local = [(h, stage) for stage in self._stages if stage is not None
+                     for h in tie.holders if h.layer in stage._modules]
+            if not local:
+                continue
+            holder, stage = local[0]
+            aliases.setdefault(first.layer, nn.Module())
+            first.attach(aliases[first.layer], holder.get(stage))
+        if aliases:
+            layers = dict(self._modules)
+            self._modules.clear()
+            for name in sorted(set(layers) | set(aliases), key=self._layer_index.__getitem__):
+                self._modules[name] = layers.get(name, aliases.get(name))
 
     @property
     def stages(self) -> List[Optional[nn.Sequential]]:
@@ -333,10 +356,17 @@ class Pipeline(nn.Module):
 
         Across processes every rank calls it (it is a collective); the first
         stage's rank gets the whole state dict, every other rank an empty dict.
+        On a mesh, that is the first replica's first stage's rank (global
+        rank 0); sharded parameters are gathered whole.
         """
         if self._channel is None:
             return dict(self.state_dict())
-        merged = gather_state(self._channel, dict(self.state_dict()), self._runner.stage_workers[0])
+        # A sharded tensor's whole value is gathered over the replicas (a collective: every replica holds the
+        # same stages, so they gather the same keys in the same order).
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.state_dict().items()}
+        merged = gather_state(self._channel, state, self._runner.stage_workers[0])
+        if self._channel.replica:
+            return {}
         # Ranks hold stages out of order (interleaved schedules): put the keys in the module's layer order.
         return dict(sorted(merged.items(), key=lambda item: self._layer_index.get(item[0].split(".", 1)[0], -1)))
 
@@ -360,7 +390,8 @@ class Pipeline(nn.Module):
         """Loads the keys this pipeline (this rank) holds from a plain module's, or any GPipe's, Pipeline's
         or rank's state dict; ``strict`` checks that every key this rank holds is there."""
         held = {PlainKeys.plain(k): v for k, v in state_dict.items()}
-        mine = {k: v for k, v in held.items() if k.split(".", 1)[0] in self._modules}
+        own = set(self.state_dict(keep_vars=True))
+        mine = {k: v for k, v in held.items() if k in own or k.split(".", 1)[0] not in self._layer_index}
         if assign:
             return super().load_state_dict(mine, strict=strict, assign=True)
         return super().load_state_dict(mine, strict=strict)

@@ -57,6 +57,18 @@ class Holder(NamedTuple):
     def set(self, root: nn.Module, param: nn.Parameter) -> None:
         self.module(root)._parameters[self.attribute] = param
 
+    def attach(self, layer: nn.Module, param: nn.Parameter) -> None:
+        """Holds ``param`` in ``layer`` (a stand-in for this holder's layer) at this holder's path, making the
+        empty submodules on the way."""
+        module = layer
+        for part in self.path.split(".") if self.path else []:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        module._parameters[self.attribute] = param
+
 
 class Tie(NamedTuple):
     """A parameter held by layers of several stages: its holders in the module's order, with their stages."""
