@@ -390,8 +390,11 @@ class Pipeline(nn.Module):
         """Loads the keys this pipeline (this rank) holds from a plain module's, or any GPipe's, Pipeline's
         or rank's state dict; ``strict`` checks that every key this rank holds is there."""
         held = {PlainKeys.plain(k): v for k, v in state_dict.items()}
+        # The keys of the layers this rank runs (a wrong one among them is unexpected, as usual), and of a tied
+        # copy held under its first holder's name (see _name_copies_as_their_first_holder).
         own = set(self.state_dict(keep_vars=True))
-        mine = {k: v for k, v in held.items() if k in own or k.split(".", 1)[0] not in self._layer_index}
+        layers = {name for stage in self._stages if stage is not None for name in stage._modules}
+        mine = {k: v for k, v in held.items() if k in own or k.split(".", 1)[0] in layers}
         if assign:
             return super().load_state_dict(mine, strict=strict, assign=True)
         return super().load_state_dict(mine, strict=strict)
