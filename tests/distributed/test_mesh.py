@@ -96,3 +96,10 @@ def test_a_dcp_checkpoint_moves_between_layouts_bit_for_bit(tmp_path: Path, save
         assert plain[-1].weight is plain[0].weight
         for key, value in plain.named_parameters():
             assert torch.equal(value, expected[f"model.{key}"]), key
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "llama-tied"])
+def test_a_transformers_language_model_across_two_ranks(name: str) -> None:
+    pytest.importorskip("transformers")
+    problems = ok(launch("tests.distributed.ranks_lm:language_model", 2, timeout=300, name=name))
+    assert problems == [[], []], problems
