@@ -27,7 +27,8 @@ from torchpipe.partition import (
 )
 from torchpipe.runtime import Runner, local, weight_grad
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
-from torchpipe.schedule import Schedule
+from torchpipe.runtime.tune import SplitTuner, Timings
+from torchpipe.schedule import Schedule, build
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
@@ -136,6 +137,14 @@ class Pipeline(nn.Module):
                 "upgrade PyTorch or choose '1f1b'"
             )
         plan, workers = resolve(schedule, chunks, len(balance), devices, ranks)
+        #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble placement]).
+        self._tuner: Optional[SplitTuner] = None
+        if schedule == "zero_bubble":
+            tuner = self._tuner = SplitTuner(len(balance))
+            stages_count = len(balance)
+
+            def plan(microbatches: int) -> Schedule:
+                return build("zero_bubble", microbatches, stages_count, split=tuner.split)
         stage_workers = list(plan(chunks).stage_workers)
         self._channel: Optional[Channel] = None
         if group is None:
@@ -253,19 +262,20 @@ class Pipeline(nn.Module):
         stage's (others may pass None), and every rank returns the loss.
         """
         training = torch.is_grad_enabled() and self.training
+        timings: Optional[Timings] = {} if self._tuner is not None and self._tuner.measuring and training else None
         try:
             if self._channel is not None:
                 loss, _ = run_step(
                     self._runner, self._channel, self.devices, self.chunks, input, training=training,
                     module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
-                    loss=(self.loss_fn, target, self.loss_reduction),
+                    loss=(self.loss_fn, target, self.loss_reduction), timings=timings,
                 )
                 assert loss is not None
             else:
                 loss = local.run_step(
                     self._runner, input, target, chunks=self.chunks, loss_fn=self.loss_fn,
                     reduction=self.loss_reduction, training=training, module_training=self.training,
-                    checkpoint_stop=self._checkpoint_stop(training),
+                    checkpoint_stop=self._checkpoint_stop(training), timings=timings,
                 )
         except BaseException:
             if self.deferred_batch_norm:
@@ -275,6 +285,10 @@ class Pipeline(nn.Module):
         if self.deferred_batch_norm and self.training:
             for stage in self._local_stages():
                 commit(stage)
+        if timings is not None and self._tuner is not None:
+            exchange = None if self._channel is None else self._channel.exchange
+            if self._tuner.record(timings, exchange, self.chunks):
+                self._runner.forget_plans()
         return loss
 
     def _local_stages(self) -> List[nn.Sequential]:

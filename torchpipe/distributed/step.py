@@ -23,6 +23,7 @@ from torchpipe.runtime import Runner, Step
 from torchpipe.runtime.driver import Progress, abort, begin, drive, end
 from torchpipe.runtime.loss import Loss, loss_weights, split_target
 from torchpipe.runtime.transport import Aborted
+from torchpipe.runtime.tune import Timings
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["run_step"]
@@ -43,6 +44,7 @@ def run_step(
     module_training: bool,
     checkpoint_stop: Callable[[int], int],
     loss: Optional[Tuple[Optional[Callable[..., Tensor]], Optional[TensorOrTensors], str]],
+    timings: Optional[Timings] = None,
 ) -> Tuple[Optional[Tensor], Optional[List[Batch]]]:
     """Runs one step on this rank; returns the loss (with a loss) and, on the last stage's rank, the outputs.
 
@@ -104,6 +106,7 @@ def run_step(
         runner, batches, grad_enabled=training, training=module_training,
         checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
     )
+    step.timings = timings
     plan = step.plan.schedule if training else step.plan.forward
     step.transport = transport = DistributedTransport(channel, sequence, plan, runner.skip_layout, devices)
     progress = Progress()

@@ -17,6 +17,7 @@ through the step's transport:
   split (see [Note: zero-bubble]).
 """
 import contextlib
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -49,7 +50,12 @@ def run(step: Step, action: Action) -> None:
     # record_function costs microseconds even with no profiler: label the action only when one runs.
     profiled = record_function(f"torchpipe/part{s}/mb{i}/{label}") if _profiler_enabled() else _NOT_PROFILED
     with use_device(step.runner.devices[s]), use_stream(step.streams[s]), profiled, trace.span(label, s, i):
-        _ACTIONS[kind](step, action)
+        if step.timings is None:
+            _ACTIONS[kind](step, action)
+        else:  # see [Note: zero-bubble placement]: this thread's CPU time, not the wait for messages
+            started = time.thread_time()
+            _ACTIONS[kind](step, action)
+            step.timings.setdefault((s, kind), []).append(time.thread_time() - started)
 
 
 # --- forward and recomputation ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torchpipe.worker import ThreadContext
 if TYPE_CHECKING:
     from torchpipe.runtime.driver import StageHooks
     from torchpipe.runtime.runner import Runner
+    from torchpipe.runtime.tune import Timings
     from torchpipe.runtime.weight_grad import WeightGradient
 
 __all__ = ["Plan", "Step", "StageState"]
@@ -97,6 +98,8 @@ class Step:
         sequence: Optional[int] = None,
     ) -> None:
         self.runner = runner
+        #: When measuring (see [Note: zero-bubble placement]): each action's duration, by (stage, kind).
+        self.timings: Optional[Timings] = None
         #: The step's number across processes (the same on every rank); None in one process.
         self.sequence = sequence
         #: The micro-batches' inputs (on the first stage's rank; None elsewhere across processes).
