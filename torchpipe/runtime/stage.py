@@ -270,9 +270,10 @@ def backward(step: Step, action: Action) -> None:
     else:
         # GPipe: the module's parameters' gradients go to the caller (see [Note: parameter gradients]); a
         # tensor a layer uses from outside the module gets its gradient in .grad, as without GPipe.
-        with own_gradients(step.stage_params[s], step.runner.shared_locks[s]) as param_grads:
+        assert step.param_grads is not None
+        with own_gradients(step.stage_params[s], step.param_grads[s], step.runner.shared_locks[s]) as sums:
             torch.autograd.backward(roots, grads, retain_graph=keep)
-        step.accumulate(s, param_grads)
+        step.accumulate(s, sums)
         found = [x.grad if x.requires_grad else None for x in inputs]
     del roots, grads, state
     input_grads, skip_grads = _split(found, count, popped)
