@@ -66,39 +66,12 @@ def run_step(
     """
     sequence = channel.next_sequence()
     rank = channel.rank
-    first, last = runner.stage_workers[0], runner.stage_workers[-1]
-    inputs: Tuple[Tensor, ...] = ()
-    batches: List[Optional[Batch]]
-    if rank == first:
-        try:
-            if input is None:
-                raise ValueError(f"rank {rank} runs the first stage: it must pass the mini-batch's input")
-            microbatch.check_input(input)
-            input = transfer.move(input, devices[0])
-            inputs = (input,) if isinstance(input, Tensor) else tuple(input)
-            split = microbatch.scatter(input, chunks)
-        except BaseException as exc:
-            channel.fail(sequence, f"rank {_who(channel)} could not split its input: {type(exc).__name__}: {exc}")
-            raise
-        sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
-        channel.publish(sequence, "start", [float(len(split)), float(training)] + sizes)
-        batches = list(split)
-    # Every replica's shape: this one's to run, the others' for the total number of samples.
-    replicas = range(channel.replicas) if channel.replicas > 1 else [channel.replica]
-    shapes = {r: channel.wait_for(sequence, "start", replica=r) for r in replicas}
-    for r, values in shapes.items():
-        if bool(values[1]) != training:
-            where = f"rank {first}, the first stage's" + (f", of replica {r}" if channel.replicas > 1 else "")
-            message = (
-                f"rank {_who(channel)} runs {_describe(training)} but {where}, runs {_describe(bool(values[1]))}: "
-                "call step() in the same mode (train/eval, grad enabled) everywhere"
-            )
-            channel.fail(sequence, message)
-            raise ValueError(message)
-    counts = [int(n) for n in shapes[channel.replica][2:]]
-    if rank != first:
-        batches = [None] * len(counts)
-    total = sum(int(n) for values in shapes.values() for n in values[2:])
+    last = runner.stage_workers[-1]
+    try:
+        batches, inputs, counts, total = _start(runner, channel, sequence, devices, chunks, input, training)
+    except BaseException:
+        channel.leave_failed(sequence)  # the step failed before it began: see [Note: leaving the store]
+        raise
     step_loss: Optional[Loss] = None
     if loss is not None:
         step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
@@ -137,8 +110,10 @@ def run_step(
         transport.fail()
         if committed:
             abort(step)  # the collectives this rank still owes, before it leaves the step
-        if isinstance(exc, Aborted):
-            channel.raise_failure(sequence)
+        record = channel.failure(sequence)
+        channel.leave_failed(sequence)  # the failure read: rank 0, the store's host, may go
+        if isinstance(exc, Aborted) and record is not None:
+            raise PipelineError(record) from None
         raise
     result: Optional[Tensor] = None
     if step_loss is not None:
@@ -152,3 +127,51 @@ def run_step(
 def _who(channel: Channel) -> str:
     """This rank, as failure messages name it: its rank in the pipeline, and its replica's index on a mesh."""
     return f"{channel.rank}" if channel.replicas == 1 else f"{channel.rank} of replica {channel.replica}"
+
+
+def _start(
+    runner: Runner,
+    channel: Channel,
+    sequence: int,
+    devices: Sequence[torch.device],
+    chunks: int,
+    input: Optional[TensorOrTensors],
+    training: bool,
+) -> Tuple[List[Optional[Batch]], Tuple[Tensor, ...], List[int], int]:
+    """Agrees on step ``sequence``'s shape: this rank's micro-batches (their inputs on the first stage's
+    rank), its input tensors, each micro-batch's size, and every replica's number of samples."""
+    rank = channel.rank
+    first = runner.stage_workers[0]
+    inputs: Tuple[Tensor, ...] = ()
+    batches: List[Optional[Batch]]
+    if rank == first:
+        try:
+            if input is None:
+                raise ValueError(f"rank {rank} runs the first stage: it must pass the mini-batch's input")
+            microbatch.check_input(input)
+            input = transfer.move(input, devices[0])
+            inputs = (input,) if isinstance(input, Tensor) else tuple(input)
+            split = microbatch.scatter(input, chunks)
+        except BaseException as exc:
+            channel.fail(sequence, f"rank {_who(channel)} could not split its input: {type(exc).__name__}: {exc}")
+            raise
+        sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
+        channel.publish(sequence, "start", [float(len(split)), float(training)] + sizes)
+        batches = list(split)
+    # Every replica's shape: this one's to run, the others' for the total number of samples.
+    replicas = range(channel.replicas) if channel.replicas > 1 else [channel.replica]
+    shapes = {r: channel.wait_for(sequence, "start", replica=r) for r in replicas}
+    for r, values in shapes.items():
+        if bool(values[1]) != training:
+            where = f"rank {first}, the first stage's" + (f", of replica {r}" if channel.replicas > 1 else "")
+            message = (
+                f"rank {_who(channel)} runs {_describe(training)} but {where}, runs {_describe(bool(values[1]))}: "
+                "call step() in the same mode (train/eval, grad enabled) everywhere"
+            )
+            channel.fail(sequence, message)
+            raise ValueError(message)
+    counts = [int(n) for n in shapes[channel.replica][2:]]
+    if rank != first:
+        batches = [None] * len(counts)
+    total = sum(int(n) for values in shapes.values() for n in values[2:])
+    return batches, inputs, counts, total
