@@ -74,13 +74,25 @@ class Pipeline(nn.Module):
         group: a ``torch.distributed`` process group to run one worker per
             rank; None: one process.
         deferred_batch_norm: as for GPipe.
+        mesh: a 2-D ``DeviceMesh`` with dimensions ``'pp'`` and ``'dp'``: the
+            pipeline runs over each ``'pp'`` sub-group (as with ``group``), and
+            the ranks of a ``'dp'`` sub-group are data-parallel replicas of the
+            same stages, each stepping on its own mini-batch.
+        data_parallel: with ``mesh``: ``'replicate'`` (default; whole stages on
+            every replica, gradients all-reduced once per step after each
+            stage's last backward) or ``'shard'`` (FSDP2 per stage: parameters,
+            gradients and optimizer state sharded over ``'dp'``, gathered once
+            per step). The loss is the mean over every replica's samples, and
+            gradients are the plain module's on all of them.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
         ValueError: a bad ``chunks``, ``checkpoint``, ``loss_reduction`` or
             ``schedule`` (every problem of a custom schedule is listed), a
-            number of stages that does not fit the schedule's workers, or a
-            module that repeats a layer.
+            number of stages that does not fit the schedule's workers, a
+            module that repeats a layer or shares a buffer between layers, a
+            mesh without dimensions ``'pp'`` and ``'dp'``, or a
+            ``data_parallel`` other than ``'replicate'`` and ``'shard'``.
         BalanceError: ``balance`` does not fit ``module``.
         IndexError: fewer devices than workers.
 
