@@ -285,3 +285,16 @@ def full_state_on_a_mesh(rank: int, world: int, mode: str) -> Dict[str, Any]:
     plain.load_state_dict(state)
     expected = {n: p + 1.0 for n, p in tied_lm(layers=2).named_parameters()}
     return {"keys": len(state), "equal": all(torch.equal(p, expected[n]) for n, p in plain.named_parameters())}
+
+
+def reductions_on_the_timeline(rank: int, world: int, mode: str) -> List[str]:
+    """The timeline of two steps on a 2 x 2 mesh: one 'reduce' span per stage per step."""
+    from torchpipe import trace
+
+    model = tied_lm(layers=2)
+    pipe, replica, position = _layout_pipeline(f"2x2-{mode}", model, rank)
+    x, y = tokens(batch=4, seed=replica)
+    with trace.record_timeline() as timeline:
+        for _ in range(2):
+            pipe.step(x if position == 0 else None, y if position == 1 else None)
+    return [span.label for span in timeline if span.kind == "reduce"]

@@ -61,6 +61,12 @@ def test_full_state_dict_on_a_mesh_is_whole_on_global_rank_0(mode: str) -> None:
     assert all(report["keys"] == 0 for report in reports[1:]), reports
 
 
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_the_timeline_shows_one_reduction_per_stage_per_step(mode: str) -> None:
+    labels = ok(launch("tests.distributed.ranks_mesh:reductions_on_the_timeline", 4, mode=mode))
+    assert labels == [["0reduce", "0reduce"], ["1reduce", "1reduce"]] * 2, labels
+
+
 LAYOUTS = {"2x2-shard": 4, "1x4-replicate": 4, "4x1-shard": 4, "group-2": 2, "2x2-replicate": 4, "local-3": 1}
 
 

@@ -234,9 +234,9 @@ class Channel:
         self._set(sequence, f"exchange/{sequence}/{self.index}", " ".join(float(v).hex() for v in values))
         names = [f"exchange/{sequence}/{r}" for r in range(self.count)]
         self._wait(sequence, names)
-        values = [_parse(self.store.get(name)) for name in names]
+        every = [_parse(self.store.get(name)) for name in names]
         self._leave(sequence)  # see [Note: leaving the store]
-        return values
+        return every
 
     def commit(self, sequence: int) -> None:
         """Returns once every rank (of every replica) will run step ``sequence``; raises if one failed first.

@@ -25,11 +25,13 @@ committed to it) still gathers, reduces and reshards every stage, so no peer
 waits for a collective that never comes; its gradients are unspecified.
 Forward-only steps gather and reshard too.
 """
+import time
 from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
 
+from torchpipe import trace
 from torchpipe.runtime.driver import StageHooks
 from torchpipe.runtime.step import Step
 
@@ -105,6 +107,8 @@ class ShardedStages(StageHooks):
         self._reduced: List[int] = []
         self._finalized: List[int] = []
         self._resharded: List[int] = []
+        #: When each stage's reduce-scatter started (for the timeline's 'reduce' spans).
+        self._started: Dict[int, float] = {}
         self._done: Set[int] = set()
         self._training = False
 
@@ -115,6 +119,7 @@ class ShardedStages(StageHooks):
             self._reduced = []
             self._finalized = []
             self._resharded = []
+            self._started = {}
             self._done = set()
             self._training = step.grad_enabled
 
@@ -142,6 +147,7 @@ class ShardedStages(StageHooks):
         module.set_is_last_backward(True)
         module.set_requires_gradient_sync(True)
         module.set_reshard_after_backward(True)
+        self._started[s] = time.perf_counter()
         for state in _states(module):
             for group in _groups(state):
                 group.post_backward()
@@ -158,6 +164,7 @@ class ShardedStages(StageHooks):
             for s in self.reduce_order[len(self._finalized) :]:  # waits for the reductions, sets the gradients
                 self._finalized.append(s)
                 _root_state(self.stages[s])._root_post_backward_final_callback()
+                trace.record("reduce", s, 0, self._started.get(s, time.perf_counter()), time.perf_counter())
         for s in self.gather_order[len(self._resharded) :]:
             self._resharded.append(s)
             self.stages[s].reshard()
