@@ -17,7 +17,8 @@ What it does, in order:
    the gradients clipped to a norm of ``--clip``; prints the loss every
    ``--print-every`` steps;
 5. prints the loss on the held-out files before and after training, and a
-   greedy continuation of a prompt, decoded as bytes;
+   continuation of a prompt (sampled, or greedy with ``--temperature 0``),
+   decoded as bytes;
 6. writes the timeline of one training step (``--timeline``, a PNG; a JSON
    Chrome trace beside it).
 
@@ -196,17 +197,24 @@ def evaluate(run: Run, pipe: torchpipe.Pipeline, batches: Sequence[Tensor]) -> f
     return total / len(batches)
 
 
-def continue_text(run: Run, pipe: torchpipe.Pipeline, prompt: bytes, count: int, context: int) -> bytes:
-    """Greedy decoding: ``count`` bytes after ``prompt``, one pipelined forward (one micro-batch) each."""
+def continue_text(run: Run, pipe: torchpipe.Pipeline, prompt: bytes, count: int, context: int, temperature: float,
+                  seed: int) -> bytes:
+    """``count`` bytes after ``prompt``, one pipelined forward (one micro-batch) each: sampled at ``temperature``
+    from a generator seeded with ``seed`` (0: greedy, the likeliest byte each time)."""
     ids = torch.tensor([list(prompt)], dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
     pipe.eval()
     try:
         for _ in range(count):
             window = ids[:, -context:]  # the model has `context` positions
-            logits = pipe(window if run.rank == run.first else None)
+            logits = pipe(window if run.rank == run.first else None)  # on the last stage's rank, else None
             following = torch.zeros(1, 1, dtype=torch.long)
             if logits is not None:
-                following = logits[:, -1].argmax(dim=-1, keepdim=True).cpu()
+                last = logits[:, -1].float().cpu()
+                if temperature > 0:
+                    following = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=generator)
+                else:
+                    following = last.argmax(dim=-1, keepdim=True)
             ids = torch.cat([ids, run.broadcast_from_last(following)], dim=1)
     finally:
         pipe.train()
@@ -256,7 +264,7 @@ def save_timeline(run: Run, pipe: torchpipe.Pipeline, ids: Tensor, path: Path) -
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16, help="windows per step (mini-batch)")
     parser.add_argument("--length", type=int, default=128, help="bytes per window (the model's context)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
@@ -276,7 +284,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--print-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches of --batch windows")
     parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--generate", type=int, default=120, help="bytes to generate after the prompt")
+    parser.add_argument("--generate", type=int, default=160, help="bytes to generate after the prompt")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     parser.add_argument("--timeline", type=Path, default=Path("out/timeline-lm.png"),
                         help="the PNG of one step's timeline ('' : none)")
     parser.add_argument("--distributed", action="store_true", help="one stage per rank (launch with torchrun)")
@@ -319,7 +328,7 @@ def main(argv: Sequence[str]) -> None:
     pipe = run.build(seq, balance)
     names = [str(getattr(layer, "name", k)) for k, layer in enumerate(seq)]
     cuts = [sum(balance[:s]) for s in range(len(balance))]
-    where = (f"ranks {pipe.schedule.stage_workers}" if run.distributed else [str(d) for d in pipe.devices])
+    where = (f"ranks {list(pipe.schedule.stage_workers)}" if run.distributed else [str(d) for d in pipe.devices])
     run.print(f"balance_by_{args.balance}: {balance}" if args.balance in ("time", "size") else f"balance: {balance}",
               f"(stages start at {', '.join(names[c] for c in cuts)}) on {where}; schedule {args.schedule!r}, "
               f"chunks {args.chunks}, batch {args.batch}")
@@ -349,8 +358,9 @@ def main(argv: Sequence[str]) -> None:
     seconds = time.perf_counter() - train
     run.print(f"held-out loss after {args.steps} steps: {evaluate(run, pipe, held_out):.3f}; trained in "
               f"{seconds:.0f} s ({args.steps * args.batch * args.length / seconds:.0f} tokens/s)")
-    text = continue_text(run, pipe, args.prompt.encode(), args.generate, args.length)
-    run.print(f"greedy continuation of {args.prompt!r}:\n{(args.prompt.encode() + text).decode(errors='replace')}")
+    text = continue_text(run, pipe, args.prompt.encode(), args.generate, args.length, args.temperature, args.seed)
+    how = f"sampled at temperature {args.temperature}" if args.temperature > 0 else "greedy"
+    run.print(f"continuation of {args.prompt!r} ({how}):\n{(args.prompt.encode() + text).decode(errors='replace')}")
     if str(args.timeline) not in ("", "."):
         save_timeline(run, pipe, windows(train_text, args.batch, args.length, generator), args.timeline)
     run.print(f"done in {time.perf_counter() - start:.0f} s")
