@@ -10,8 +10,9 @@ What it does, in order:
    downloaded) whose output projection is its token embedding
    (``tie_word_embeddings=True``), and makes it an ``nn.Sequential`` with
    ``torchpipe.as_sequential`` (traced by ``torch.export``);
-3. balances the layers with ``torchpipe_balancing`` (``--balance time``,
-   ``size`` or a list such as ``14,14``);
+3. balances the layers with ``torchpipe_balancing``: ``--balance size``
+   (the default, ``balance_by_size``, the same on every run), ``time``
+   (``balance_by_time``) or a list such as ``14,14``;
 4. trains it with ``torchpipe.Pipeline`` (``--schedule 1f1b`` by default),
    cross-entropy of each position's logits against the next byte, AdamW,
    the gradients clipped to a norm of ``--clip``; prints the loss every
@@ -31,8 +32,10 @@ GPU each when there are enough). Across processes, one stage per rank::
 Every rank reads the same files and builds the same model from the same
 seed; the first stage's rank feeds the token ids, the last stage's rank the
 targets, and rank 0 prints. Two runs with the same flags and ``--seed``
-print the same losses (with ``--balance time`` the balance is measured, so
-it may differ from run to run; give the balance it printed to repeat a run).
+print the same losses, in one process or across ranks (up to the rounding
+of the tied weight's gradient, summed in another order there). With
+``--balance time`` the balance is measured, so it may differ from run to
+run; give the balance it printed to repeat a run.
 """
 import argparse
 import os
@@ -121,7 +124,8 @@ def find_balance(args: argparse.Namespace, seq: nn.Sequential, stages: int, samp
         finally:
             torch.set_num_threads(threads)
     if args.balance == "size":
-        return balance_by_size(stages, seq, sample, chunks=args.chunks)
+        # param_scale=4: AdamW keeps the weight, its gradient and two moments per parameter.
+        return balance_by_size(stages, seq, sample, chunks=args.chunks, param_scale=4.0)
     balance = [int(b) for b in args.balance.split(",")]
     if len(balance) != stages:
         raise SystemExit(f"--balance {args.balance} has {len(balance)} stages; this run has {stages}")
@@ -277,8 +281,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
-    parser.add_argument("--balance", default="time", help="'time' (balance_by_time), 'size' (balance_by_size) or "
-                                                          "a balance such as 14,14")
+    parser.add_argument("--balance", default="size", help="'size' (balance_by_size: the same on every run), 'time' "
+                                                          "(balance_by_time: measured) or a balance such as 14,14")
     parser.add_argument("--balance-timeout", type=float, default=1.0, help="seconds balance_by_time may profile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--print-every", type=int, default=25)
