@@ -356,6 +356,9 @@ def report(shape: Dict[str, int], figures: Dict[str, Any]) -> Dict[str, Any]:
     """The table: tokens/s and ratios of medians, and the peak memory per rank."""
     tokens = shape["batch"] * shape["length"]
     median = {name: statistics.median(t) for name, t in figures["times"].items()}
+    # What 2 stages could do at best: the micro-batches by hand on one thread, their work shared by 2 workers,
+    # plus the bubble of a fill-drain or 1F1B step (equal stages, free messages): (chunks + 1) / (2 chunks).
+    ideal = median[BY_HAND[0]] * (shape["chunks"] + WORLD - 1) / (WORLD * shape["chunks"])
     rows = []
     results: Dict[str, Any] = {}
     for name, _ in VARIANTS:
@@ -367,17 +370,20 @@ def report(shape: Dict[str, int], figures: Dict[str, Any]) -> Dict[str, Any]:
         if library == "torchpipe" and name.endswith("2 ranks"):
             twin = "pipelining " + {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}[schedule] + ", 2 ranks"
             against["pipelining"] = median[twin] / median[name]
+        of_ideal = ideal / median[name] if library in ("torchpipe", "pipelining") else None
         results[name] = {"tokens_per_s": tokens / median[name], "step_ms": median[name] * 1e3,
-                         "vs_plain": against["plain"], "vs_by_hand": against["by hand"],
+                         "vs_plain": against["plain"], "vs_by_hand": against["by hand"], "of_ideal": of_ideal,
                          "vs_pipelining": against.get("pipelining"), "peak_mib": [None if p is None else p / MiB
                                                                                    for p in peaks]}
         rows.append([name, tokens / median[name], against["plain"], against["by hand"], against.get("pipelining"),
-                     median[name] * 1e3] + [None if p is None else p / MiB for p in peaks])
+                     of_ideal, median[name] * 1e3] + [None if p is None else p / MiB for p in peaks])
     print(common.format_table(
-        ["variant", "tokens/s", "vs plain", "vs by hand", "vs pipelining", "step ms", "peak MiB rank 0",
+        ["variant", "tokens/s", "vs plain", "vs by hand", "vs pipelining", "of ideal", "step ms", "peak MiB rank 0",
          "peak MiB rank 1"], rows))
     print("(vs X: tokens/s over X's, from the medians of the interleaved rounds, X's faster thread count; > 1 is "
-          "faster. Peak: the step's peak resident set above its start, on each rank that runs it)")
+          "faster. Of ideal: the ideal step time over the variant's, the ideal being the micro-batches by hand on "
+          f"1 thread shared by 2 workers with the bubble, x (chunks + 1) / (2 chunks): {ideal * 1e3:.0f} ms. "
+          "Peak: the step's peak resident set above its start, on each rank that runs it)")
     tied = figures["tied"]
     for library in ("torchpipe", "pipelining"):
         print(f"{library} (1F1B, float64, one step): the tied weight's gradient equals the plain model's on rank 0 "
