@@ -145,6 +145,10 @@ class Run:
             cuda = torch.cuda.is_available()
             dist.init_process_group("nccl" if cuda else "gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            # The device of this script's own collectives: NCCL takes CUDA tensors only.
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+            if cuda:
+                torch.cuda.set_device(self.device)
             if not cuda:  # each rank its share of the host's cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                                           self.world))))
@@ -152,6 +156,7 @@ class Run:
             devices = None
         else:
             self.rank, self.world = 0, 1
+            self.device = torch.device("cpu")
             stages = args.stages
             workers = stages // 2 if args.schedule == "interleaved_1f1b" else stages
             enough = torch.cuda.is_available() and torch.cuda.device_count() >= workers
@@ -187,9 +192,19 @@ class Run:
         return (ids if self.rank == self.first else None), (ids if self.rank == self.last else None)
 
     def broadcast_from_last(self, tensor: Tensor) -> Tensor:
-        if self.distributed:
-            dist.broadcast(tensor, src=self.last)
-        return tensor
+        """The last stage's rank's ``tensor`` on every rank (on the CPU)."""
+        if not self.distributed:
+            return tensor
+        tensor = tensor.to(self.device)
+        dist.broadcast(tensor, src=self.last)
+        return tensor.cpu()
+
+    def sum_over_ranks(self, tensor: Tensor) -> Tensor:
+        if not self.distributed:
+            return tensor
+        tensor = tensor.to(self.device)
+        dist.all_reduce(tensor)
+        return tensor.cpu()
 
 
 def evaluate(run: Run, pipe: torchpipe.Pipeline, batches: Sequence[Tensor]) -> float:
@@ -225,7 +240,7 @@ def continue_text(run: Run, pipe: torchpipe.Pipeline, prompt: bytes, count: int,
     return bytes(ids[0, len(prompt):].tolist())
 
 
-def clip_gradients(pipe: torchpipe.Pipeline, max_norm: float, duplicates: Set[str]) -> Optional[float]:
+def clip_gradients(run: Run, pipe: torchpipe.Pipeline, max_norm: float, duplicates: Set[str]) -> Optional[float]:
     """Clips the whole model's gradients to a norm of ``max_norm``, as ``clip_grad_norm_`` on the plain model.
 
     ``duplicates``: the names of the tied weight's later holders (``'27.lm_head.weight'``), whose gradient is
@@ -239,9 +254,7 @@ def clip_gradients(pipe: torchpipe.Pipeline, max_norm: float, duplicates: Set[st
     # its first holder only), added over the ranks, then one scale for every gradient.
     grads = {id(p): p.grad for name, p in pipe.named_parameters() if p.grad is not None and name not in duplicates}
     squares = sum((g.detach().double().pow(2).sum().cpu() for g in grads.values()), torch.zeros((), dtype=torch.double))
-    if pipe.rank is not None:
-        dist.all_reduce(squares)
-    norm = squares.sqrt().item()
+    norm = run.sum_over_ranks(squares).sqrt().item()
     scale = min(1.0, max_norm / (norm + 1e-6))
     for p in pipe.parameters():
         if p.grad is not None:
@@ -259,8 +272,10 @@ def save_timeline(run: Run, pipe: torchpipe.Pipeline, ids: Tensor, path: Path) -
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     merged.save_chrome_trace(path.with_suffix(".json"))
-    where = f"{run.world} ranks" if run.distributed else f"{run.stages} CPU workers" if pipe.devices[0].type == \
-        "cpu" else f"{run.stages} GPUs"
+    if run.distributed:
+        where = f"{run.world} ranks"
+    else:
+        where = f"{len(set(pipe.devices))} GPUs" if pipe.devices[0].type == "cuda" else f"{run.stages} CPU workers"
     merged.save_png(path, title=f"one step of examples/train_lm.py: schedule {run.args.schedule!r}, "
                                 f"{run.stages} stages on {where}, {run.args.chunks} micro-batches")
     run.print(f"timeline of one step: {path} and {path.with_suffix('.json')} (chrome://tracing, ui.perfetto.dev)")
@@ -350,7 +365,7 @@ def main(argv: Sequence[str]) -> None:
     for step in range(1, args.steps + 1):
         ids = windows(train_text, args.batch, args.length, generator)
         recent.append(pipe.step(*run.inputs(ids)).item())
-        clip_gradients(pipe, args.clip, duplicates)
+        clip_gradients(run, pipe, args.clip, duplicates)
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
