@@ -1,5 +1,6 @@
 # The commands of the README: `make run` (a pipelined training run), `make test`, and
-# `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun).
+# `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun);
+# `make run-lm` and `make run-lm-distributed` train a small language model (examples/train_lm.py).
 # Each creates .venv and installs what it needs on its own.
 #
 # TORCH is the PyTorch requirement installed into the virtualenv. The default is the
@@ -10,7 +11,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchpipe-installed
 
-.PHONY: run run-distributed test lint typecheck unit unit-kernels bench docs clean
+.PHONY: run run-distributed run-lm run-lm-distributed test lint typecheck unit unit-kernels bench docs clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +26,14 @@ run: $(STAMP)
 # A Pipeline over two processes on this host (gloo on CPU, NCCL on GPUs): see docs/distributed.md.
 run-distributed: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_distributed.py
+
+# A small GPT-2 (transformers, tied embedding and head) trained on the standard library's source, byte by byte:
+# traced by as_sequential, balanced, a Pipeline of two stages; in one process, or one stage per rank.
+run-lm: $(STAMP)
+	$(PY) examples/train_lm.py
+
+run-lm-distributed: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_lm.py --distributed
 
 lint: $(STAMP)
 	$(PY) -m ruff check torchpipe torchpipe_balancing tests benchmarks examples

@@ -10,6 +10,14 @@ repository root::
 
 On a CPU the boxes' widths wobble from run to run; their order and the gaps
 between them (the bubbles) are the schedule's.
+
+The language-model pictures of docs/language_models.md are drawn by the
+example itself, from the repository root (it writes a Chrome trace beside
+each PNG; only the PNGs are kept)::
+
+    python examples/train_lm.py --timeline docs/_static/timeline-lm.png
+    torchrun --standalone --nproc-per-node 2 examples/train_lm.py --distributed \
+        --timeline docs/_static/timeline-lm-distributed.png
 """
 import os
 import platform

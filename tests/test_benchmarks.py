@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import common, models  # noqa: E402
 
 MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
-           "language_model"]
+           "language_model", "lm_pipeline"]
 
 
 def has(module: str) -> bool:
@@ -197,3 +197,23 @@ def test_the_language_model_benchmark_runs(capsys: pytest.CaptureFixture[str]) -
     assert set(results["ratios"]) == {"as_sequential (tied), as a module", "GPipe, 1 partition (untied)"}
     assert all(row["ratio"] > 0 for row in results["ratios"].values())
     assert "ratio" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_language_model_pipeline_benchmark_runs_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    # Two gloo ranks, every variant once on a tiny GPT-2; also checks the gradients against the plain model's.
+    pytest.importorskip("transformers")
+    from benchmarks import lm_pipeline
+
+    results = lm_pipeline.main(["--quick"])
+    assert set(results["variants"]) == {name for name, _ in lm_pipeline.VARIANTS}
+    for name, row in results["variants"].items():
+        assert row["tokens_per_s"] > 0 and row["vs_plain"] > 0, name
+        assert (row["vs_pipelining"] is not None) == (name.startswith("torchpipe") and name.endswith("2 ranks"))
+        assert (row["of_ideal"] is not None) == name.startswith(("torchpipe", "pipelining"))
+        assert len(row["peak_mib"]) == 2 and (row["peak_mib"][1] is None) == lm_pipeline.in_process(name)
+    gradients = results["tied_gradient_equals_plain"]
+    assert all(rank["torchpipe"] == {"tied": True, "others": True} for rank in gradients), gradients
+    assert all(rank["pipelining"]["others"] for rank in gradients), gradients
+    out = capsys.readouterr().out
+    assert "machine:" in out and "vs pipelining" in out

@@ -32,9 +32,10 @@ def run(script: str, *args: str, timeout: float = 120.0) -> str:
     return done.stdout
 
 
-# Every script but train.py (tested below with its own flags) and train_distributed.py (launched by torchrun
-# in tests/distributed), found on disk so a new one is not missed.
-SIMPLE = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in ("train.py", "train_distributed.py"))
+# Every script but train.py (tested below with its own flags), train_distributed.py (launched by torchrun
+# in tests/distributed) and train_lm.py (tests/test_lm_example.py), found on disk so a new one is not missed.
+SIMPLE = sorted(p.name for p in EXAMPLES.glob("*.py")
+                if p.name not in ("train.py", "train_distributed.py", "train_lm.py"))
 
 
 def test_the_documented_examples_exist() -> None:

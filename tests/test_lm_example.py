@@ -1,0 +1,89 @@
+"""examples/train_lm.py (``make run-lm``) trains its language model: in one process, and over 2 ranks under torchrun.
+
+Each run is a subprocess with a hard timeout, on a tiny configuration; the
+loss must fall (the training loss printed every few steps, and the held-out
+loss after against before), a continuation is printed, and the timeline
+picture is written.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_lm.py"
+#: A model and a run small enough for a test; --balance size is measured without timing, so it is deterministic.
+TINY = ["--steps", "16", "--batch", "8", "--length", "32", "--layers", "2", "--width", "32", "--heads", "2",
+        "--chunks", "2", "--lr", "1e-2", "--print-every", "4", "--eval-batches", "2", "--generate", "8",
+        "--balance", "size"]
+
+
+def environment() -> "dict[str, str]":
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def check_the_loss_fell(out: str) -> List[float]:
+    losses = [float(m) for m in re.findall(r"^step +\d+/\d+: loss ([0-9.]+)", out, re.MULTILINE)]
+    assert len(losses) == 4, out
+    assert losses[-1] < losses[0] - 0.3, out
+    before = float(re.search(r"held-out loss before training: ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    after = float(re.search(r"held-out loss after \d+ steps: ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert after < before - 0.3, out
+    assert "continuation of 'def ' (sampled at temperature 0.7)" in out
+    return losses
+
+
+def in_one_process(picture: Path) -> str:
+    done = subprocess.run([sys.executable, str(EXAMPLE), *TINY, "--timeline", str(picture)], cwd=ROOT,
+                          env=environment(), capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_language_model_example_trains_in_one_process(tmp_path: Path) -> None:
+    picture = tmp_path / "timeline.png"
+    out = in_one_process(picture)
+    check_the_loss_fell(out)
+    assert "balance_by_size: [" in out and "on ['cpu', 'cpu']" in out
+    assert picture.read_bytes()[:4] == b"\x89PNG" and picture.with_suffix(".json").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_language_model_example_trains_under_torchrun(tmp_path: Path) -> None:
+    from tests.distributed.launch import free_port
+
+    picture = tmp_path / "timeline.png"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), str(EXAMPLE), "--distributed", *TINY, "--timeline", str(picture),
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=400,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = check_the_loss_fell(done.stdout)
+    assert "on ranks [0, 1]" in done.stdout
+    assert done.stdout.count("held-out loss before training") == 1, "only rank 0 prints"
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    # The same seed and balance in one process: the same model, data and updates, so the same losses (the tied
+    # weight's gradient is summed in another order across ranks: equal up to rounding).
+    alone = check_the_loss_fell(in_one_process(tmp_path / "alone.png"))
+    assert all(abs(a - b) < 0.02 for a, b in zip(losses, alone)), (losses, alone)
+
+
+def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import train_lm
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    for flags, message in [(["--chunks", "0"], "--chunks must be at least 1"),
+                           (["--width", "30", "--heads", "4"], "multiple of --heads")]:
+        with pytest.raises(SystemExit) as exit:
+            train_lm.parse_args(flags)
+        assert exit.value.code == 2 and message in capsys.readouterr().err
