@@ -295,10 +295,18 @@ class Pipeline(nn.Module):
 
         Across processes every rank calls it (it is a collective); the first
         stage's rank gets the whole state dict, every other rank an empty dict.
+        On a mesh, the first stage's rank of the first replica (global rank 0
+        with ``init_device_mesh``) gets it, with whole tensors also under
+        ``data_parallel='shard'``.
         """
         if self._channel is None:
             return dict(self.state_dict())
-        merged = gather_state(self._channel, dict(self.state_dict()), self._runner.stage_workers[0])
+        # Sharded stages hold DTensors: gather each over 'dp' first (a collective of the replicas, which hold
+        # the same stages and so the same keys in the same order), so the dict holds whole plain tensors.
+        state = {k: _full_tensor(v) for k, v in self.state_dict().items()}
+        merged = gather_state(self._channel, state, self._runner.stage_workers[0])
+        if self._channel.replica != 0:  # every replica gathered its own copy; the first one's is returned
+            return {}
         # Ranks hold stages out of order (interleaved schedules): put the keys in the module's layer order.
         return dict(sorted(merged.items(), key=lambda item: self._layer_index.get(item[0].split(".", 1)[0], -1)))
 
@@ -334,6 +342,12 @@ class Pipeline(nn.Module):
         )
 
 
+
+
+def _full_tensor(value: Any) -> Any:
+    """A DTensor's whole tensor (a collective over its mesh), else ``value``."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
 
 
 def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:
