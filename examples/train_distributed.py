@@ -93,9 +93,13 @@ def main() -> None:
                              "one pipeline over every rank)")
     parser.add_argument("--data-parallel", default="replicate", choices=["replicate", "shard"],
                         help="with --dp: whole stages on every replica (gradients all-reduced) or FSDP2 shards")
-    parser.add_argument("--timeline", default="out/timeline-distributed.json")
+    parser.add_argument("--timeline", default=None,
+                        help="where to write one step's timeline (default: out/timeline-distributed.json, "
+                             "with --dp out/timeline-mesh.json; '' for none)")
     parser.add_argument("--save", default=None, help="write the trained state dict (plain keys) here")
     args = parser.parse_args()
+    if args.timeline is None:
+        args.timeline = "out/timeline-distributed.json" if args.dp is None else "out/timeline-mesh.json"
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
