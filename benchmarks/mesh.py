@@ -30,7 +30,8 @@ Memory per rank on CPU: the exact bytes of the parameters, gradients and optimiz
 per parameter) the rank holds (a DTensor's local shard), and the step's peak: the peak resident set size of
 two steps above the resident size when they started (after warm-up steps, so code pages and lazy
 initialisation are not counted; the peak is reset through ``/proc/self/clear_refs``, and glibc hands large
-blocks straight back, ``MALLOC_MMAP_THRESHOLD_=65536``, so the resident set follows live tensors). The
+blocks straight back, ``MALLOC_MMAP_THRESHOLD_=65536``, so the resident set follows live tensors: in
+processes of their own, after the timing, since that costs page faults every step). The
 gradients are freed by ``zero_grad()``, so they are part of the step's peak; what the peak holds beyond
 them is activations, under 'shard' the gathered parameters and whole gradients, and message buffers.
 Total: parameters + optimizer state + the step's peak.
@@ -389,10 +390,12 @@ class Process:
 class Group:
     """The processes of one variant (1 for the one-process variants, a layout's ranks otherwise)."""
 
-    def __init__(self, layout_key: Optional[str], workload: Workload, chunks: int) -> None:
+    def __init__(self, layout_key: Optional[str], workload: Workload, chunks: int, for_memory: bool = False) -> None:
         self.layout = None if layout_key is None else LAYOUTS[layout_key]
         port = _free_port()
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if for_memory:  # the resident set follows the live tensors (but every large tensor costs page faults)
+            env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
         env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         world = 1 if self.layout is None else self.layout.world
         self.processes = []
@@ -441,10 +444,10 @@ def _free_port() -> int:
 def run_model(name: str, workload: Workload, layouts: Sequence[str], rounds: int, chunks: int, timeline_steps: int,
               timeout: float, quiet: bool = False) -> Dict[str, Any]:
     """Every figure of one model: times (interleaved rounds), memory per rank, and the reductions' share."""
+    keys: List[Optional[str]] = [None, *layouts]
     groups: Dict[Optional[str], Group] = {}
-    try:
-        groups[None] = Group(None, workload, chunks)
-        for key in layouts:
+    try:  # time and reductions, with glibc's own allocation (as a user's run)
+        for key in keys:
             groups[key] = Group(key, workload, chunks)
         for group in groups.values():
             group.ready(timeout)
@@ -458,13 +461,19 @@ def run_model(name: str, workload: Workload, layouts: Sequence[str], rounds: int
                 times[label].append(max(a["times"][0] for a in answers))  # the slowest rank's
             bar.update(1)
         bar.close()
-        memory = {LAYOUTS[k].name if k else "plain": groups[k].ask({"do": "memory"}, timeout)
-                  for k in [None, *layouts]}
         reductions = {LAYOUTS[k].name: groups[k].ask({"do": "timeline", "steps": timeline_steps}, timeout)[0]
                       ["timeline"]
                       for k in layouts}
     finally:
         for group in groups.values():
+            group.close()
+    memory: Dict[str, Any] = {}
+    for key in keys:  # one layout at a time, in processes whose resident set follows their tensors
+        group = Group(key, workload, chunks, for_memory=True)
+        try:
+            group.ready(timeout)
+            memory[LAYOUTS[key].name if key else "plain"] = group.ask({"do": "memory"}, timeout)
+        finally:
             group.close()
     plain = times["plain"]
     rows = []
