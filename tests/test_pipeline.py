@@ -2,7 +2,7 @@
 import copy
 import threading
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 import torchpipe
 from tests.models import Pop, RaisesInBackward, Stash, UseMask, WithMask
 from torchpipe import Pipeline, trace
-from torchpipe.schedule import Schedule
+from torchpipe.schedule import Kind, Schedule
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 MODES = ["never", "always", "except_last"]
@@ -259,15 +259,19 @@ def test_a_custom_schedule_runs_and_works_for_smaller_batches() -> None:
 
 def test_the_schedule_runs_as_written() -> None:
     # Each worker executes its list in order: the timeline of one step shows exactly the schedule's actions.
+    # A zero-bubble schedule's first two steps run whole backwards, then split ones (they are measured: see
+    # [Note: zero-bubble placement]); each as written.
     pipe = Pipeline(model_for(6), [2, 2, 2], chunks=4, schedule="zero_bubble", loss_fn=mse, checkpoint="always")
-    with trace.record_timeline() as timeline:
-        pipe.step(torch.randn(8, 6), torch.randn(8, 6))
-    ran = {}
-    for span in sorted(timeline.spans, key=lambda s: s.start):
-        if span.kind != "copy":
-            ran.setdefault(span.partition, []).append(str(span.action))
-    expected = pipe._runner.plan(4, 4).schedule
-    assert [ran[s] for s in range(3)] == expected.as_lists()
+    for kinds in ("FRB", "FRIW"):
+        expected = pipe._runner.plan(4, 4).schedule
+        assert {a.kind.value for a in expected.actions()} == set(kinds)
+        with trace.record_timeline() as timeline:
+            pipe.step(torch.randn(8, 6), torch.randn(8, 6))
+        ran: Dict[int, List[str]] = {}
+        for span in sorted(timeline.spans, key=lambda s: s.start):
+            if span.kind != "copy":
+                ran.setdefault(span.partition, []).append(str(span.action))
+        assert [ran[s] for s in range(3)] == expected.as_lists()
 
 
 # --- memory -------------------------------------------------------------------------------------------------
@@ -417,3 +421,44 @@ def test_the_inputs_gradient_reaches_the_caller() -> None:
     pipe.step(source * 2, y)
     mse(plain(plain_source * 2), y).backward()
     assert source.grad is not None and torch.allclose(source.grad, plain_source.grad, atol=1e-6)
+
+
+def test_zero_bubble_places_its_split_from_measured_costs_and_stays_transparent() -> None:
+    # Issue 18: zero_bubble was slower than 1f1b on CPU, where I and W together cost more than B. Its first
+    # step now runs whole backwards, its second split ones, each measured; then each stage splits only where
+    # that shortens the simulated step. Every step's loss and gradients are the plain module's.
+    model = model_for(6, width=32)
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, [2, 2, 2], chunks=4, schedule="zero_bubble", loss_fn=mse)
+    assert pipe._tuner is not None
+    for step in range(4):
+        x, y = torch.randn(8, 32), torch.randn(8, 32)
+        loss = pipe.step(x, y)
+        expected = mse(plain(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        for got, want in zip(pipe.parameters(), plain.parameters()):
+            torch.testing.assert_close(got.grad, want.grad)
+        if step == 0:
+            assert pipe._tuner.split == [True] * 3, "the second step measures split backwards"
+    assert pipe._tuner.decided
+    assert set(pipe._tuner.costs) >= {(s, k) for s in range(3) for k in (Kind.FORWARD, Kind.BACKWARD,
+                                                                          Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)}
+    split = pipe._tuner.split
+    for s in range(3):
+        kinds = {a.kind for a in pipe.schedule.actions() if a.stage == s}
+        assert (Kind.BACKWARD_WEIGHT in kinds) == split[s]
+
+
+def test_the_split_tuner_decides_from_every_ranks_costs() -> None:
+    from torchpipe.runtime.tune import SplitTuner
+
+    tuner = SplitTuner(2)
+    # Measured once here (ms): stage 0's input needs no gradient, so its I is nearly free and its W is its
+    # whole backward, which fills the bubble; stage 1's I and W cost far more than its B.
+    whole = {(0, Kind.FORWARD): [1.3], (0, Kind.BACKWARD): [3.3], (1, Kind.FORWARD): [2.1], (1, Kind.BACKWARD): [2.9]}
+    assert tuner.record(whole) and tuner.split == [True, True]
+    split = {(0, Kind.BACKWARD_INPUT): [0.15], (0, Kind.BACKWARD_WEIGHT): [2.8],
+             (1, Kind.BACKWARD_INPUT): [2.3], (1, Kind.BACKWARD_WEIGHT): [3.1]}
+    tuner.record(split, microbatches=8)
+    assert tuner.decided and tuner.split == [True, False]

@@ -10,6 +10,7 @@ from torchpipe.schedule import (
     Kind,
     Schedule,
     build,
+    choose_split,
     clock_cycles,
     gpipe,
     interleaved_1f1b,
@@ -251,3 +252,35 @@ def test_the_runner_executes_the_gpipe_schedule_cut_into_phases() -> None:
     assert plan.inline == ()  # CPU: every partition on its worker
     model(torch.randn(8, 4)).sum().backward()
     assert model._runner.plan(4, 3) is plan
+
+
+# --- zero-bubble placement (issue 18) -------------------------------------------------------------------------
+
+
+def test_a_zero_bubble_schedule_without_splits_is_1f1b_and_a_partial_one_is_valid() -> None:
+    assert zero_bubble(8, 3, [False] * 3).as_lists() == one_f_one_b(8, 3).as_lists()
+    mixed = zero_bubble(8, 3, [False, True, True])
+    validate(mixed)
+    assert {a.kind for a in mixed.actions() if a.stage == 0} == {Kind.FORWARD, Kind.BACKWARD}
+    assert {a.kind for a in mixed.actions() if a.stage == 2} == {Kind.FORWARD, Kind.BACKWARD_INPUT,
+                                                                  Kind.BACKWARD_WEIGHT}
+    with pytest.raises(ValueError, match="split has 2 entries for 3 stages"):
+        zero_bubble(8, 3, [True, True])
+
+
+def test_choose_split_splits_only_where_it_shortens_the_step() -> None:
+    # Measured on this CPU: I and W together cost 1.4 B, so splitting lengthens every stage's work.
+    cpu = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.2, Kind.BACKWARD_WEIGHT: 1.6}
+    assert choose_split(8, 4, lambda s, k: cpu[k]) == [False] * 4
+    # The paper's costs (I + W = B): W fills the bubbles of the stages that wait.
+    even = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
+    split = choose_split(8, 4, lambda s, k: even[k])
+    assert any(split)
+    costs = lambda s, k: even[k]  # noqa: E731
+    assert simulate(zero_bubble(8, 4, split), lambda a: costs(a.stage, a.kind)).step_time < \
+        simulate(one_f_one_b(8, 4), lambda a: costs(a.stage, a.kind)).step_time
+    # Measured once on this CPU (ms): a first stage whose input needs no gradient has a nearly free I and a W
+    # that is its whole backward, which fills the bubble; the last stage's I and W cost far more than its B.
+    measured = {(0, F): 1.3, (0, B): 3.3, (1, F): 2.1, (1, B): 2.9, (0, BI): 0.15, (0, BW): 2.8, (1, BI): 2.3,
+                (1, BW): 3.1}
+    assert choose_split(8, 2, lambda s, k: measured[(s, k)]) == [True, False]

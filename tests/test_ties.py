@@ -181,3 +181,56 @@ def test_shared_buffers_are_refused() -> None:
     b.running_var = a.running_var
     with pytest.raises(ValueError, match="buffer shared"):
         Pipeline(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])
+
+
+# --- clipping ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), 3.5])
+@pytest.mark.parametrize("copied", [False, True])
+def test_clip_grad_norm_counts_a_tied_parameter_once(norm_type: float, copied: bool) -> None:
+    # The plain module's clip_grad_norm_ sees the tied weight once; so must the pipeline's, also when the
+    # holders keep copies (on other devices: made by hand here, as untie_devices does).
+    model = tied_lm()
+    plain = copy.deepcopy(model)
+    pipe = pipeline(model, "1f1b", 2)
+    head = pipe.stages[1][-1]  # type: ignore[index]
+    if copied:
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        pipe._runner.hooks.append(TiedCopies([[pipe.stages[0][0].weight, head.weight]]))  # type: ignore[index]
+    x, y = tokens()
+    pipe.step(x, y)
+    lm_loss(plain(x), y).backward()
+    got = pipe.clip_grad_norm_(0.1, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1, norm_type)
+    torch.testing.assert_close(got, want)
+    assert got > 0.1, "the test clips nothing"
+    assert_same_grads(pipe, plain)
+    torch.testing.assert_close(head.weight.grad, plain[0].weight.grad)
+
+
+def test_gpipe_clip_grad_norm_counts_copies_once() -> None:
+    model = tied_lm()
+    plain = copy.deepcopy(model)
+    piped = GPipe(model, [4, 6], devices=["cpu", "cpu"], chunks=3)
+    head = piped[-1]
+    head.weight = nn.Parameter(head.weight.detach().clone())
+    piped._runner.tied_copies = [[piped[0].weight, head.weight]]
+    piped._runner.share([])
+    x, y = tokens()
+    lm_loss(piped(x), y).backward()
+    lm_loss(plain(x), y).backward()
+    torch.testing.assert_close(piped.clip_grad_norm_(0.5), torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5))
+    torch.testing.assert_close(head.weight.grad, plain[0].weight.grad)
+
+
+def test_clip_grad_norm_errors_like_pytorch() -> None:
+    pipe = pipeline(tied_lm(), "1f1b", 2)
+    x, y = tokens()
+    pipe.step(x, y)
+    with pytest.raises(ValueError, match="norm_type must be a positive number"):
+        pipe.clip_grad_norm_(1.0, norm_type=0)
+    with torch.no_grad():
+        next(pipe.parameters()).grad.fill_(float("nan"))  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="error_if_nonfinite=False"):
+        pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)

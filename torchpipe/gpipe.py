@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from torchpipe import microbatch, transfer
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
+from torchpipe.clip import clip_grad_norm
 from torchpipe.microbatch import Batch
 from torchpipe.partition import (
     BalanceError,
@@ -156,6 +157,18 @@ class GPipe(nn.Module):
             raise moving_denied("GPipe", "partitions", "g")
         super().to(*args, **kwargs)
         return self
+
+    # --- gradients -------------------------------------------------------------------------------
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clips the gradients as ``torch.nn.utils.clip_grad_norm_`` on the plain module would: a tied parameter
+        with copies on several devices counts once (its copies hold the same gradient)."""
+        params = list(self.parameters())
+        copies = {id(c) for group in self._runner.tied_copies for c in group[1:]}
+        counted = [p for p in params if id(p) not in copies]
+        return clip_grad_norm(params, counted, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     # --- state dicts -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torchpipe import microbatch, trace
 from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
+from torchpipe.clip import clip_grad_norm
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
@@ -26,7 +27,8 @@ from torchpipe.partition import (
 )
 from torchpipe.runtime import Runner, local, weight_grad
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
-from torchpipe.schedule import Schedule
+from torchpipe.runtime.tune import SplitTuner, Timings
+from torchpipe.schedule import Schedule, build
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
@@ -72,13 +74,25 @@ class Pipeline(nn.Module):
         group: a ``torch.distributed`` process group to run one worker per
             rank; None: one process.
         deferred_batch_norm: as for GPipe.
+        mesh: a 2-D ``DeviceMesh`` with dimensions ``'pp'`` and ``'dp'``: the
+            pipeline runs over each ``'pp'`` sub-group (as with ``group``), and
+            the ranks of a ``'dp'`` sub-group are data-parallel replicas of the
+            same stages, each stepping on its own mini-batch.
+        data_parallel: with ``mesh``: ``'replicate'`` (default; whole stages on
+            every replica, gradients all-reduced once per step after each
+            stage's last backward) or ``'shard'`` (FSDP2 per stage: parameters,
+            gradients and optimizer state sharded over ``'dp'``, gathered once
+            per step). The loss is the mean over every replica's samples, and
+            gradients are the plain module's on all of them.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
         ValueError: a bad ``chunks``, ``checkpoint``, ``loss_reduction`` or
             ``schedule`` (every problem of a custom schedule is listed), a
-            number of stages that does not fit the schedule's workers, or a
-            module that repeats a layer.
+            number of stages that does not fit the schedule's workers, a
+            module that repeats a layer or shares a buffer between layers, a
+            mesh without dimensions ``'pp'`` and ``'dp'``, or a
+            ``data_parallel`` other than ``'replicate'`` and ``'shard'``.
         BalanceError: ``balance`` does not fit ``module``.
         IndexError: fewer devices than workers.
 
@@ -135,6 +149,14 @@ class Pipeline(nn.Module):
                 "upgrade PyTorch or choose '1f1b'"
             )
         plan, workers = resolve(schedule, chunks, len(balance), devices, ranks)
+        #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble placement]).
+        self._tuner: Optional[SplitTuner] = None
+        if schedule == "zero_bubble":
+            tuner = self._tuner = SplitTuner(len(balance))
+            stages_count = len(balance)
+
+            def plan(microbatches: int) -> Schedule:
+                return build("zero_bubble", microbatches, stages_count, split=tuner.split)
         stage_workers = list(plan(chunks).stage_workers)
         self._channel: Optional[Channel] = None
         if group is None:
@@ -193,6 +215,7 @@ class Pipeline(nn.Module):
                 self.add_module(name, layer)
         self._stages = stages
         self._ties = ties
+        self.data_parallel = None if on_mesh is None else on_mesh.mode
         self._runner = Runner(stages, stage_devices, plan, stage_workers, worker_devices, layout)
         self._runner.share(shared_stages(stages, ties))
         if self._channel is None:
@@ -200,6 +223,29 @@ class Pipeline(nn.Module):
                 self._runner.hooks.append(TiedCopies(copies))
         else:
             connect_stages(self._runner, self._channel, ties, copies, on_mesh)
+            self._name_copies_as_their_first_holder()
+
+    def _name_copies_as_their_first_holder(self) -> None:
+        """A rank that holds a copy of a tied parameter but not its first holder's layer also holds the copy
+        under the first holder's name (an extra child that holds only it), first: so the copy's first name,
+        which the optimizer's state dict and DCP key it by, is the same under every layout."""
+        aliases: Dict[str, nn.Module] = {}
+        for tie in self._ties:
+            first = tie.holders[0]
+            if first.layer in self._modules:
+                continue
+            local = [(h, stage) for stage in self._stages if stage is not None
+                     for h in tie.holders if h.layer in stage._modules]
+            if not local:
+                continue
+            holder, stage = local[0]
+            aliases.setdefault(first.layer, nn.Module())
+            first.attach(aliases[first.layer], holder.get(stage))
+        if aliases:
+            layers = dict(self._modules)
+            self._modules.clear()
+            for name in sorted(set(layers) | set(aliases), key=self._layer_index.__getitem__):
+                self._modules[name] = layers.get(name, aliases.get(name))
 
     @property
     def stages(self) -> List[Optional[nn.Sequential]]:
@@ -228,19 +274,20 @@ class Pipeline(nn.Module):
         stage's (others may pass None), and every rank returns the loss.
         """
         training = torch.is_grad_enabled() and self.training
+        timings: Optional[Timings] = {} if self._tuner is not None and self._tuner.measuring and training else None
         try:
             if self._channel is not None:
                 loss, _ = run_step(
                     self._runner, self._channel, self.devices, self.chunks, input, training=training,
                     module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
-                    loss=(self.loss_fn, target, self.loss_reduction),
+                    loss=(self.loss_fn, target, self.loss_reduction), timings=timings,
                 )
                 assert loss is not None
             else:
                 loss = local.run_step(
                     self._runner, input, target, chunks=self.chunks, loss_fn=self.loss_fn,
                     reduction=self.loss_reduction, training=training, module_training=self.training,
-                    checkpoint_stop=self._checkpoint_stop(training),
+                    checkpoint_stop=self._checkpoint_stop(training), timings=timings,
                 )
         except BaseException:
             if self.deferred_batch_norm:
@@ -250,6 +297,10 @@ class Pipeline(nn.Module):
         if self.deferred_batch_norm and self.training:
             for stage in self._local_stages():
                 commit(stage)
+        if timings is not None and self._tuner is not None:
+            exchange = None if self._channel is None else self._channel.exchange
+            if self._tuner.record(timings, exchange, self.chunks):
+                self._runner.forget_plans()
         return loss
 
     def _local_stages(self) -> List[nn.Sequential]:
@@ -290,22 +341,57 @@ class Pipeline(nn.Module):
         super().to(*args, **kwargs)
         return self
 
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clips the whole model's gradients as ``torch.nn.utils.clip_grad_norm_`` on the plain module would.
+
+        The norm covers every stage on every rank (and, on a mesh, every
+        replica's shard), a tied parameter counted once; every rank scales its
+        gradients by the same factor and gets the same total norm. Across
+        processes every rank calls it (it is a collective).
+
+        Returns:
+            The total norm of the gradients, before clipping.
+        """
+        params = list(self.parameters())
+        counted = self._counted(params)
+        exchange = None if self._channel is None else self._channel.exchange
+        return clip_grad_norm(params, counted, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+                              exchange=exchange)
+
+    def _counted(self, params: List[nn.Parameter]) -> List[nn.Parameter]:
+        """This rank's parameters that make its share of the whole model's norm: a tied parameter on the first
+        holder's copy only, and replicated gradients on the first replica only."""
+        channel = self._channel
+        if channel is not None and channel.replicas > 1 and self.data_parallel == "replicate" and channel.replica:
+            return []
+        copies = set()
+        for tie in self._ties:
+            held = [(h, stage) for stage in self._stages if stage is not None
+                    for h in tie.holders if h.layer in stage._modules]
+            first = [param for h, stage in held if h == tie.holders[0] for param in [h.get(stage)]]
+            for h, stage in held:
+                param = h.get(stage)
+                if not first or param is not first[0]:
+                    copies.add(id(param))
+        return [p for p in params if id(p) not in copies]
+
     def full_state_dict(self) -> Dict[str, Any]:
         """The whole module's state dict with the plain module's keys (loadable into it, or any Pipeline).
 
         Across processes every rank calls it (it is a collective); the first
         stage's rank gets the whole state dict, every other rank an empty dict.
-        On a mesh, the first stage's rank of the first replica (global rank 0
-        with ``init_device_mesh``) gets it, with whole tensors also under
-        ``data_parallel='shard'``.
+        On a mesh, that is the first replica's first stage's rank (global
+        rank 0); sharded parameters are gathered whole.
         """
         if self._channel is None:
             return dict(self.state_dict())
-        # Sharded stages hold DTensors: gather each over 'dp' first (a collective of the replicas, which hold
-        # the same stages and so the same keys in the same order), so the dict holds whole plain tensors.
-        state = {k: _full_tensor(v) for k, v in self.state_dict().items()}
+        # A sharded tensor's whole value is gathered over the replicas (a collective: every replica holds the
+        # same stages, so they gather the same keys in the same order).
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.state_dict().items()}
         merged = gather_state(self._channel, state, self._runner.stage_workers[0])
-        if self._channel.replica != 0:  # every replica gathered its own copy; the first one's is returned
+        if self._channel.replica:
             return {}
         # Ranks hold stages out of order (interleaved schedules): put the keys in the module's layer order.
         return dict(sorted(merged.items(), key=lambda item: self._layer_index.get(item[0].split(".", 1)[0], -1)))
@@ -330,7 +416,11 @@ class Pipeline(nn.Module):
         """Loads the keys this pipeline (this rank) holds from a plain module's, or any GPipe's, Pipeline's
         or rank's state dict; ``strict`` checks that every key this rank holds is there."""
         held = {PlainKeys.plain(k): v for k, v in state_dict.items()}
-        mine = {k: v for k, v in held.items() if k.split(".", 1)[0] in self._modules}
+        # The keys of the layers this rank runs (a wrong one among them is unexpected, as usual), and of a tied
+        # copy held under its first holder's name (see _name_copies_as_their_first_holder).
+        own = set(self.state_dict(keep_vars=True))
+        layers = {name for stage in self._stages if stage is not None for name in stage._modules}
+        mine = {k: v for k, v in held.items() if k in own or k.split(".", 1)[0] in layers}
         if assign:
             return super().load_state_dict(mine, strict=strict, assign=True)
         return super().load_state_dict(mine, strict=strict)
@@ -342,12 +432,6 @@ class Pipeline(nn.Module):
         )
 
 
-
-
-def _full_tensor(value: Any) -> Any:
-    """A DTensor's whole tensor (a collective over its mesh), else ``value``."""
-    full = getattr(value, "full_tensor", None)
-    return full() if callable(full) else value
 
 
 def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:

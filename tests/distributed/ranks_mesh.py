@@ -60,6 +60,11 @@ def tied_across_ranks(rank: int, world: int) -> List[str]:
             if not torch.allclose(loss, expected.detach()):
                 problems.append(f"{schedule} step {step}: loss {loss.item()} != {expected.item()}")
             _compare(f"{schedule} step {step}", pipe, plain, problems)
+            norm = pipe.clip_grad_norm_(0.05)  # the whole model's norm, the tie counted once
+            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+            if not torch.allclose(norm, expected_norm):
+                problems.append(f"{schedule} step {step}: norm {norm.item()} != {expected_norm.item()}")
+            _compare(f"{schedule} step {step} clipped", pipe, plain, problems)
             optimizer.step()
             reference.step()
             optimizer.zero_grad()
@@ -101,6 +106,11 @@ def replicate_transparency(rank: int, world: int, mode: str, dp: int, pp: int) -
                 if not torch.allclose(loss, expected.detach()):
                     problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
                 _compare(case, pipe, plain, problems)
+            norm = pipe.clip_grad_norm_(0.05, norm_type=3.0)  # over both dimensions
+            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type=3.0)
+            if not torch.allclose(norm, expected_norm):
+                problems.append(f"{mode} {schedule} round {round}: norm {norm.item()} != {expected_norm.item()}")
+            _compare(f"{mode} {schedule} round {round} clipped", pipe, plain, problems)
             optimizer.step()
             reference.step()
             optimizer.zero_grad()
@@ -176,3 +186,115 @@ def parameter_bytes(rank: int, world: int, mode: str) -> int:
         total += local.numel() * local.element_size()
     assert replica in (0, 1)
     return total
+
+
+# --- checkpoints with torch.distributed.checkpoint ----------------------------------------------------------
+
+
+def _layout_pipeline(layout: str, model: nn.Sequential, rank: int) -> Tuple[Pipeline, int, int]:
+    """``'2x2-shard'`` (dp x pp, mode), ``'1x4-replicate'``, ``'group-2'`` (a pipeline over the world), or
+    ``'local-3'`` (3 stages in one process); with the replica's and stage's index of this rank (-1: all)."""
+    kind, _, rest = layout.partition("-")
+    if kind == "group":
+        stages = int(rest)
+        pipe = Pipeline(model, balance_for(len(model), stages), chunks=2, loss_fn=lm_loss, group=dist.group.WORLD)
+        return pipe, 0, rank
+    if kind == "local":
+        stages = int(rest)
+        return Pipeline(model, balance_for(len(model), stages), chunks=2, loss_fn=lm_loss,
+                        devices=["cpu"] * stages), 0, -1
+    dp, pp = (int(n) for n in kind.split("x"))
+    mesh = mesh_of(dp, pp)
+    pipe = Pipeline(model, balance_for(len(model), pp), chunks=2, loss_fn=lm_loss, mesh=mesh, data_parallel=rest)
+    return pipe, mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+
+
+def _local_state(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> Dict[str, Tensor]:
+    """This rank's parameters and Adam states by plain name, whole (a sharded one gathered: a collective)."""
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    state: Dict[str, Tensor] = {f"model.{n}": _full(p.detach()).clone() for n, p in pipe.named_parameters()}
+    for param, values in optimizer.state.items():
+        for key, value in values.items():
+            state[f"optim.{names[id(param)]}.{key}"] = _full(value).clone()
+    return state
+
+
+def dcp_save(rank: int, world: int, path: str, layout: str, background: bool = False) -> Dict[str, Tensor]:
+    """Trains two steps under ``layout``, saves model and Adam state with DCP; returns this rank's values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = tied_lm(layers=4)
+    pipe, replica, position = _layout_pipeline(layout, model, rank)
+    stages = len(pipe.balance)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    for step in range(2):
+        x, y = tokens(batch=4, seed=10 * step + replica)
+        pipe.step(x if position in (0, -1) else None, y if position in (stages - 1, -1) else None)
+        optimizer.step()
+        optimizer.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(pipe, optimizer, options=options)
+    if background and hasattr(dcp, "async_save"):
+        dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=path).result()
+    else:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return _local_state(pipe, optimizer)
+
+
+def dcp_load(rank: int, world: int, path: str, layout: str) -> Dict[str, Tensor]:
+    """Loads the checkpoint into a fresh pipeline of ``layout`` (and Adam); returns this rank's values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    torch.manual_seed(123)
+    model = tied_lm(layers=4)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_()  # nothing of the saved values
+    pipe, replica, position = _layout_pipeline(layout, model, rank)
+    stages = len(pipe.balance)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    # Adam's state exists after a step; make it, then overwrite it from the checkpoint.
+    x, y = tokens(batch=4, seed=99)
+    pipe.step(x if position in (0, -1) else None, y if position in (stages - 1, -1) else None)
+    optimizer.step()
+    optimizer.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(pipe, optimizer, options=options)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(pipe, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
+    return _local_state(pipe, optimizer)
+
+
+def full_state_on_a_mesh(rank: int, world: int, mode: str) -> Dict[str, Any]:
+    """full_state_dict() on a 2 x 2 mesh: the whole plain state dict on global rank 0 only."""
+    model = tied_lm(layers=2)
+    pipe, replica, position = _layout_pipeline(f"2x2-{mode}", model, rank)
+    x, y = tokens(batch=4, seed=replica)
+    pipe.step(x if position == 0 else None, y if position == 1 else None)
+    with torch.no_grad():
+        for param in pipe.parameters():
+            param.add_(1.0)
+    state = pipe.full_state_dict()
+    if not state:
+        return {"keys": 0}
+    plain = tied_lm(layers=2)
+    plain.load_state_dict(state)
+    expected = {n: p + 1.0 for n, p in tied_lm(layers=2).named_parameters()}
+    return {"keys": len(state), "equal": all(torch.equal(p, expected[n]) for n, p in plain.named_parameters())}
+
+
+def reductions_on_the_timeline(rank: int, world: int, mode: str) -> List[str]:
+    """The timeline of two steps on a 2 x 2 mesh: one 'reduce' span per stage per step."""
+    from torchpipe import trace
+
+    model = tied_lm(layers=2)
+    pipe, replica, position = _layout_pipeline(f"2x2-{mode}", model, rank)
+    x, y = tokens(batch=4, seed=replica)
+    with trace.record_timeline() as timeline:
+        for _ in range(2):
+            pipe.step(x if position == 0 else None, y if position == 1 else None)
+    return [span.label for span in timeline if span.kind == "reduce"]

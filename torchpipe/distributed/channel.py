@@ -51,6 +51,8 @@ __all__ = ["Channel", "PipelineError", "POLL_SECONDS"]
 POLL_SECONDS = 0.02
 #: How long rank 0 waits for the other ranks to be through with the store after a step (see [Note: leaving the store]).
 _LEAVE_SECONDS = 10.0
+#: The same after a failed step (a dead rank never says it left).
+_LEAVE_FAILED_SECONDS = 3.0
 
 _instances: Dict[Tuple[int, ...], "itertools.count[int]"] = {}
 _instances_lock = threading.Lock()
@@ -115,6 +117,11 @@ class Channel:
         #: Headers and CPU tensors (gloo); CUDA tensors go through ``data`` (NCCL), or the same group on CPU.
         self.control, self.data = self._groups(f"pipeline/{replica}", self.rank, self.size)
         self.sequence = 0
+        # A wait polls the store, more rarely as it goes on, at most this far apart: a barrier ends at most that
+        # late. More ranks poll one store: each polls less often.
+        self._longest_pause = min(0.005, 0.0005 * max(1, self.count // 2))
+        #: The keys this rank set for each recent step, deleted three steps later (see next_sequence).
+        self._mine: Dict[int, List[str]] = {}
         #: Whether training steps start collectives between ranks (data-parallel or tied-copy reductions): then
         #: every rank commits to each step first (see :meth:`commit`). The same on every rank.
         self.collectives = False
@@ -144,18 +151,19 @@ class Channel:
     def next_sequence(self) -> int:
         """The number of the next step (or other collective call) of this pipeline; the same on every rank."""
         self.sequence += 1
-        old = self.sequence - 3
-        if old > 0:  # forget old steps' keys (this rank's own)
-            keys = [f"start/{old}/{self.replica}", f"loss/{old}/{self.replica}", f"failed/{old}",
-                    f"done/{old}/{self.index}", f"left/{old}/{self.index}"]
-            if self.index == 0:
-                keys += [f"ready/{old}", f"fate/{old}"]
-            for key in keys:
-                try:
-                    self.store.delete_key(key)
-                except RuntimeError:  # pragma: no cover - a store without delete: keys stay
-                    break
+        # Forget the keys this rank set three steps ago: every rank is through with them (each has since
+        # passed a step's end, or published its part of a later collective call, which it does after reading).
+        for key in self._mine.pop(self.sequence - 3, []):
+            try:
+                self.store.delete_key(key)
+            except RuntimeError:  # pragma: no cover - a store without delete: keys stay
+                break
         return self.sequence
+
+    def _set(self, sequence: int, key: str, value: str) -> None:
+        """Sets ``key`` of step ``sequence``, to be deleted when the step is old."""
+        self.store.set(key, value)
+        self._mine.setdefault(sequence, []).append(key)
 
     # --- failures ---------------------------------------------------------------------------------------
 
@@ -164,6 +172,7 @@ class Channel:
         # compare_set keeps the first failure: later ones (echoes of it) do not overwrite it.
         self._decide(f"failed/{sequence}", message)
         self._decide(f"fate/{sequence}", "abort")  # no-op after a commit (see commit)
+        self._mine.setdefault(sequence, []).extend([f"failed/{sequence}", f"fate/{sequence}"])
 
     def failure(self, sequence: int) -> Optional[str]:
         """The recorded failure of step ``sequence``, if any."""
@@ -185,7 +194,7 @@ class Channel:
     def publish(self, sequence: int, key: str, values: Sequence[float]) -> None:
         """Publishes ``values`` under ``key`` for step ``sequence``, for this replica's ranks (and the others')."""
         # Floats as hexadecimal text: exact, and the store's typed API takes text.
-        self.store.set(f"{key}/{sequence}/{self.replica}", " ".join(float(v).hex() for v in values))
+        self._set(sequence, f"{key}/{sequence}/{self.replica}", " ".join(float(v).hex() for v in values))
 
     def _wait(self, sequence: int, keys: List[str], keys_first: bool = False) -> None:
         """Waits until ``keys`` are in the store, looking for a failure of step ``sequence`` as it waits
@@ -207,7 +216,7 @@ class Channel:
             if keys_first:
                 self.raise_failure(sequence)
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            pause = min(pause * 2, self._longest_pause)
 
     def wait_for(self, sequence: int, key: str, replica: Optional[int] = None) -> List[float]:
         """The values published under ``key`` for step ``sequence`` by a rank of ``replica`` (default: this
@@ -217,6 +226,17 @@ class Channel:
         # abort messages to this one, whose step must then start and take them (see [Note: abort messages]).
         self._wait(sequence, [name], keys_first=True)
         return _parse(self.store.get(name))
+
+    def exchange(self, values: Sequence[float]) -> List[List[float]]:
+        """Every rank's ``values`` (of every replica), in the mesh's rank order; a collective, through the
+        store (exact: floats as hexadecimal text)."""
+        sequence = self.next_sequence()
+        self._set(sequence, f"exchange/{sequence}/{self.index}", " ".join(float(v).hex() for v in values))
+        names = [f"exchange/{sequence}/{r}" for r in range(self.count)]
+        self._wait(sequence, names)
+        every = [_parse(self.store.get(name)) for name in names]
+        self._leave(sequence)  # see [Note: leaving the store]
+        return every
 
     def commit(self, sequence: int) -> None:
         """Returns once every rank (of every replica) will run step ``sequence``; raises if one failed first.
@@ -235,6 +255,8 @@ class Channel:
             PipelineError: a rank failed before every rank arrived.
         """
         fate = f"fate/{sequence}"
+        if self.index == 0:
+            self._mine.setdefault(sequence, []).extend([f"ready/{sequence}", fate])
         if int(self.store.add(f"ready/{sequence}", 1)) == self.count:
             self._decide(fate, "commit")
         pause = 0.0002
@@ -245,7 +267,7 @@ class Channel:
             except RuntimeError as exc:
                 raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            pause = min(pause * 2, self._longest_pause)
         if bytes(self.store.get(fate)) != b"commit":
             raise PipelineError(self.failure(sequence) or "another rank's step failed")
 
@@ -261,7 +283,7 @@ class Channel:
         Returns, per key of ``read``, the values every replica published under it (a list per replica), read
         before this rank is through with the store for the step (see [Note: leaving the store]).
         """
-        self.store.set(f"done/{sequence}/{self.index}", "1")
+        self._set(sequence, f"done/{sequence}/{self.index}", "1")
         names = {key: [f"{key}/{sequence}/{r}" for r in range(self.replicas)] for key in read}
         waited = [f"done/{sequence}/{r}" for r in range(self.count)] + [n for ns in names.values() for n in ns]
         self._wait(sequence, waited)
@@ -272,19 +294,27 @@ class Channel:
         self._leave(sequence)
         return values
 
-    def _leave(self, sequence: int) -> None:
+    def leave_failed(self, sequence: int) -> None:
+        """After a failed step, once this rank has read the failure: see [Note: leaving the store]."""
+        try:
+            self._leave(sequence, _LEAVE_FAILED_SECONDS)
+        except RuntimeError:  # the store's host died: nothing to leave
+            pass
+
+    def _leave(self, sequence: int, seconds: float = _LEAVE_SECONDS) -> None:
         # [Note: leaving the store]
         # The store lives in the process of global rank 0 (init_method tcp:// or env://; under torchrun,
         # in the agent). A rank that leaves its last step and exits takes the store with it: a rank still
-        # polling for the step's last keys would then fail a step that succeeded. So every other rank
-        # says when it has read all it needs of the step, and rank 0 waits for that before it returns.
-        # A rank that dies in between is not waited for long: the step itself succeeded, and the next
-        # one will find the dead rank.
+        # polling for the step's last keys would then fail a step that succeeded, or, after a failed step,
+        # find "the store cannot be reached" instead of the failure's record. So every other rank says
+        # when it has read all it needs of the step, and rank 0 waits for that before it returns. A rank
+        # that dies in between is not waited for long: a step that succeeded stays so, and the next one
+        # will find the dead rank.
         if dist.get_rank() != 0:
-            self.store.set(f"left/{sequence}/{self.index}", "1")
+            self._set(sequence, f"left/{sequence}/{self.index}", "1")
             return
         keys = [f"left/{sequence}/{r}" for r in range(self.count) if r != self.index]
-        deadline = time.monotonic() + _LEAVE_SECONDS
+        deadline = time.monotonic() + seconds
         pause = 0.0002
         while time.monotonic() < deadline:
             try:
@@ -293,7 +323,7 @@ class Channel:
             except RuntimeError:  # pragma: no cover - rank 0 hosts the store: it is there
                 return
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            pause = min(pause * 2, self._longest_pause)
 
 
 def _parse(value: Any) -> List[float]:

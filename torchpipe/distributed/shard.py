@@ -14,9 +14,6 @@ lifecycle (see [Note: stage lifecycle]) drives it instead:
 - the step ends: FSDP's end-of-backward callback waits for the reductions
   and sets the sharded gradients; the parameters are resharded.
 
-Each stage's reduction is a ``'reduce'`` span on a recorded timeline, from
-its start to the end of its final callback, as under ``'replicate'``.
-
 The order of these calls matters (getting FSDP's last callback wrong once
 corrupted gradients in PyTorch's own pipelining, pytorch#144535): the
 reduce-scatter and the final callback of a stage come once per step, after
@@ -110,8 +107,9 @@ class ShardedStages(StageHooks):
         self._reduced: List[int] = []
         self._finalized: List[int] = []
         self._resharded: List[int] = []
-        self._done: Set[int] = set()
+        #: When each stage's reduce-scatter started (for the timeline's 'reduce' spans).
         self._started: Dict[int, float] = {}
+        self._done: Set[int] = set()
         self._training = False
 
     def _begin(self, step: Step) -> None:
@@ -121,8 +119,8 @@ class ShardedStages(StageHooks):
             self._reduced = []
             self._finalized = []
             self._resharded = []
-            self._done = set()
             self._started = {}
+            self._done = set()
             self._training = step.grad_enabled
 
     def before_step(self, step: Step) -> None:
@@ -145,20 +143,20 @@ class ShardedStages(StageHooks):
             self._reduce(self.reduce_order[len(self._reduced)])
 
     def _reduce(self, s: int) -> None:
-        self._started[s] = time.perf_counter()
         module = self.stages[s]
         module.set_is_last_backward(True)
         module.set_requires_gradient_sync(True)
         module.set_reshard_after_backward(True)
+        self._started[s] = time.perf_counter()
         for state in _states(module):
             for group in _groups(state):
                 group.post_backward()
         self._reduced.append(s)
 
     def after_step(self, step: Step) -> None:
-        self._finish(record=True)
+        self._finish()
 
-    def _finish(self, record: bool = False) -> None:
+    def _finish(self) -> None:
         """What is left of the step's collectives, each once (after a failure too: see ``abort``)."""
         if self._training:
             for s in self.reduce_order[len(self._reduced) :]:  # stages without a backward in this step
@@ -166,8 +164,7 @@ class ShardedStages(StageHooks):
             for s in self.reduce_order[len(self._finalized) :]:  # waits for the reductions, sets the gradients
                 self._finalized.append(s)
                 _root_state(self.stages[s])._root_post_backward_final_callback()
-                if record:
-                    trace.record("reduce", s, 0, self._started[s], time.perf_counter())
+                trace.record("reduce", s, 0, self._started.get(s, time.perf_counter()), time.perf_counter())
         for s in self.gather_order[len(self._resharded) :]:
             self._resharded.append(s)
             self.stages[s].reshard()

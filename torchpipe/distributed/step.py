@@ -23,6 +23,7 @@ from torchpipe.runtime import Runner, Step
 from torchpipe.runtime.driver import Progress, abort, begin, drive, end
 from torchpipe.runtime.loss import Loss, loss_weights, split_target
 from torchpipe.runtime.transport import Aborted
+from torchpipe.runtime.tune import Timings
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["run_step"]
@@ -43,6 +44,7 @@ def run_step(
     module_training: bool,
     checkpoint_stop: Callable[[int], int],
     loss: Optional[Tuple[Optional[Callable[..., Tensor]], Optional[TensorOrTensors], str]],
+    timings: Optional[Timings] = None,
 ) -> Tuple[Optional[Tensor], Optional[List[Batch]]]:
     """Runs one step on this rank; returns the loss (with a loss) and, on the last stage's rank, the outputs.
 
@@ -64,7 +66,82 @@ def run_step(
     """
     sequence = channel.next_sequence()
     rank = channel.rank
-    first, last = runner.stage_workers[0], runner.stage_workers[-1]
+    last = runner.stage_workers[-1]
+    try:
+        batches, inputs, counts, total = _start(runner, channel, sequence, devices, chunks, input, training)
+    except BaseException:
+        channel.leave_failed(sequence)  # the step failed before it began: see [Note: leaving the store]
+        raise
+    step_loss: Optional[Loss] = None
+    if loss is not None:
+        step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
+    step = Step(
+        runner, batches, grad_enabled=training, training=module_training,
+        checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
+    )
+    step.timings = timings
+    plan = step.plan.schedule if training else step.plan.forward
+    step.transport = transport = DistributedTransport(channel, sequence, plan, runner.skip_layout, devices)
+    progress = Progress()
+    committed = False
+    try:
+        if loss is not None and step_loss is not None and rank == last:
+            step.loss = step_loss = step_loss._replace(targets=split_target(loss[1], devices[-1], counts))
+        if channel.collectives_without_grad or (channel.collectives and training and step_loss is not None):
+            # The stage hooks start collectives between ranks (replicas, tied copies): every rank must run the
+            # step to its end, or none (see [Note: stage lifecycle]).
+            channel.commit(sequence)
+        committed = True
+        begin(step)
+        drive(step, plan.workers[rank], progress)
+        transport.finish()
+        end(step)
+        if rank == last and step_loss is not None:
+            value = float(sum(float(v) for v in step.losses if v is not None))
+            dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
+            channel.publish(sequence, "loss", [value, float(wire.DTYPES.index(dtype))])
+        published = channel.done(sequence, read=["loss"] if step_loss is not None else [])
+        if training and inputs:
+            step.backward_input(inputs)
+    except BaseException as exc:
+        if not isinstance(exc, (PipelineError, Aborted)):  # this rank's own failure: the others learn it first
+            where = f"action {progress.current}" if progress.current is not None else "its step"
+            channel.fail(sequence, f"rank {_who(channel)} failed in {where}: {type(exc).__name__}: {exc}")
+        transport.fail()
+        if committed:
+            abort(step)  # the collectives this rank still owes, before it leaves the step
+        record = channel.failure(sequence)
+        channel.leave_failed(sequence)  # the failure read: rank 0, the store's host, may go
+        if isinstance(exc, Aborted) and record is not None:
+            raise PipelineError(record) from None
+        raise
+    result: Optional[Tensor] = None
+    if step_loss is not None:
+        value = sum(values[0] for values in published["loss"])
+        dtype = wire.DTYPES[int(published["loss"][0][1])]
+        result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
+    outputs = step.take_results() if rank == last and step_loss is None else None
+    return result, outputs
+
+
+def _who(channel: Channel) -> str:
+    """This rank, as failure messages name it: its rank in the pipeline, and its replica's index on a mesh."""
+    return f"{channel.rank}" if channel.replicas == 1 else f"{channel.rank} of replica {channel.replica}"
+
+
+def _start(
+    runner: Runner,
+    channel: Channel,
+    sequence: int,
+    devices: Sequence[torch.device],
+    chunks: int,
+    input: Optional[TensorOrTensors],
+    training: bool,
+) -> Tuple[List[Optional[Batch]], Tuple[Tensor, ...], List[int], int]:
+    """Agrees on step ``sequence``'s shape: this rank's micro-batches (their inputs on the first stage's
+    rank), its input tensors, each micro-batch's size, and every replica's number of samples."""
+    rank = channel.rank
+    first = runner.stage_workers[0]
     inputs: Tuple[Tensor, ...] = ()
     batches: List[Optional[Batch]]
     if rank == first:
@@ -97,55 +174,4 @@ def run_step(
     if rank != first:
         batches = [None] * len(counts)
     total = sum(int(n) for values in shapes.values() for n in values[2:])
-    step_loss: Optional[Loss] = None
-    if loss is not None:
-        step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
-    step = Step(
-        runner, batches, grad_enabled=training, training=module_training,
-        checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
-    )
-    plan = step.plan.schedule if training else step.plan.forward
-    step.transport = transport = DistributedTransport(channel, sequence, plan, runner.skip_layout, devices)
-    progress = Progress()
-    committed = False
-    try:
-        if loss is not None and step_loss is not None and rank == last:
-            step.loss = step_loss = step_loss._replace(targets=split_target(loss[1], devices[-1], counts))
-        if channel.collectives_without_grad or (channel.collectives and training and step_loss is not None):
-            # The stage hooks start collectives between ranks (replicas, tied copies): every rank must run the
-            # step to its end, or none (see [Note: stage lifecycle]).
-            channel.commit(sequence)
-        committed = True
-        begin(step)
-        drive(step, plan.workers[rank], progress)
-        transport.finish()
-        end(step)
-        if rank == last and step_loss is not None:
-            value = float(sum(float(v) for v in step.losses if v is not None))
-            dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
-            channel.publish(sequence, "loss", [value, float(wire.DTYPES.index(dtype))])
-        published = channel.done(sequence, read=["loss"] if step_loss is not None else [])
-        if training and inputs:
-            step.backward_input(inputs)
-    except BaseException as exc:
-        if not isinstance(exc, (PipelineError, Aborted)):  # this rank's own failure: the others learn it first
-            where = f"action {progress.current}" if progress.current is not None else "its step"
-            channel.fail(sequence, f"rank {_who(channel)} failed in {where}: {type(exc).__name__}: {exc}")
-        transport.fail()
-        if committed:
-            abort(step)  # the collectives this rank still owes, before it leaves the step
-        if isinstance(exc, Aborted):
-            channel.raise_failure(sequence)
-        raise
-    result: Optional[Tensor] = None
-    if step_loss is not None:
-        value = sum(values[0] for values in published["loss"])
-        dtype = wire.DTYPES[int(published["loss"][0][1])]
-        result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
-    outputs = step.take_results() if rank == last and step_loss is None else None
-    return result, outputs
-
-
-def _who(channel: Channel) -> str:
-    """This rank, as failure messages name it: its rank in the pipeline, and its replica's index on a mesh."""
-    return f"{channel.rank}" if channel.replicas == 1 else f"{channel.rank} of replica {channel.replica}"
+    return batches, inputs, counts, total

@@ -81,11 +81,13 @@ def alias(leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
 
 @contextmanager
 def own_gradients(
-    params: Sequence[Tensor], locks: Sequence[threading.Lock] = ()
+    params: Sequence[Tensor], sums: Sequence[Optional[Tensor]], locks: Sequence[threading.Lock] = ()
 ) -> Generator[List[Optional[Tensor]], None, None]:
     """Runs a backward that leaves ``params``' ``.grad`` and hooks as they were; yields, filled after the
-    block, the gradient the block accumulated into each parameter (None: none). ``locks`` are held for the
-    block: one per parameter that another worker's stage shares (see [Note: tied parameters]).
+    block, each parameter's gradient sum: ``sums`` (the earlier micro-batches', None where none) plus what the
+    block accumulated, added in place into it by autograd's accumulator (no tensor allocated, no second pass).
+    ``locks`` are held for the block: one per parameter that another worker's stage shares (see [Note: tied
+    parameters]).
 
     [Note: parameter gradients] A GPipe stage's backward of one micro-batch
     accumulates into every leaf of its graph as usual (its input leaves, and
@@ -104,16 +106,18 @@ def own_gradients(
     with contextlib.ExitStack() as held:
         for lock in locks:
             held.enter_context(lock)
-        with _swapped(params) as found:
+        with _swapped(params, sums) as found:
             yield found
 
 
 @contextmanager
-def _swapped(params: Sequence[Tensor]) -> Generator[List[Optional[Tensor]], None, None]:
+def _swapped(
+    params: Sequence[Tensor], sums: Sequence[Optional[Tensor]]
+) -> Generator[List[Optional[Tensor]], None, None]:
     saved_grads = [p.grad for p in params]
     muted: List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]] = []
-    for param in params:
-        param.grad = None
+    for param, total in zip(params, sums):
+        param.grad = total
         for attribute in ("_backward_hooks", "_post_accumulate_grad_hooks"):
             hooks = getattr(param, attribute, None)
             if hooks:

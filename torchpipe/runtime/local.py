@@ -8,6 +8,7 @@ from torchpipe import microbatch, transfer
 from torchpipe.runtime.loss import Loss, loss_weights, split_target
 from torchpipe.runtime.runner import Runner
 from torchpipe.runtime.step import Step
+from torchpipe.runtime.tune import Timings
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["run_step", "run_forward"]
@@ -24,8 +25,10 @@ def run_step(
     training: bool,
     module_training: bool,
     checkpoint_stop: Callable[[int], int],
+    timings: Optional[Timings] = None,
 ) -> Tensor:
-    """Runs one mini-batch, forward and (when ``training``) backward; returns the loss, without graph."""
+    """Runs one mini-batch, forward and (when ``training``) backward; returns the loss, without graph.
+    ``timings``: measure each action into it (see [Note: zero-bubble placement])."""
     if input is None:
         raise ValueError("step() needs the mini-batch's input (a tensor or a tuple of tensors)")
     microbatch.check_input(input)
@@ -37,6 +40,7 @@ def run_step(
         runner, batches, grad_enabled=training, training=module_training,
         checkpoint_stop=checkpoint_stop(len(batches)), loss=loss,
     )
+    step.timings = timings
     if training:
         runner.run(step)
         step.backward_input((input,) if isinstance(input, Tensor) else tuple(input))

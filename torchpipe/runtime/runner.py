@@ -143,6 +143,10 @@ class Runner:
             plan = self._plans[key] = Plan.of(schedule, inline, self.skip_layout)
         return plan
 
+    def forget_plans(self) -> None:
+        """Drops the cached plans: the schedule function's answer changed (a zero-bubble placement, decided)."""
+        self._plans = {}
+
     def workers(self) -> WorkerGroup:
         """The worker threads, made on first use (so that the caller's thread settings apply)."""
         self._check_fork()

@@ -17,6 +17,7 @@ through the step's transport:
   split (see [Note: zero-bubble]).
 """
 import contextlib
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -49,7 +50,12 @@ def run(step: Step, action: Action) -> None:
     # record_function costs microseconds even with no profiler: label the action only when one runs.
     profiled = record_function(f"torchpipe/part{s}/mb{i}/{label}") if _profiler_enabled() else _NOT_PROFILED
     with use_device(step.runner.devices[s]), use_stream(step.streams[s]), profiled, trace.span(label, s, i):
-        _ACTIONS[kind](step, action)
+        if step.timings is None:
+            _ACTIONS[kind](step, action)
+        else:  # see [Note: zero-bubble placement]: this thread's CPU time, not the wait for messages
+            started = time.thread_time()
+            _ACTIONS[kind](step, action)
+            step.timings.setdefault((s, kind), []).append(time.thread_time() - started)
 
 
 # --- forward and recomputation ----------------------------------------------------------------------------
@@ -264,9 +270,10 @@ def backward(step: Step, action: Action) -> None:
     else:
         # GPipe: the module's parameters' gradients go to the caller (see [Note: parameter gradients]); a
         # tensor a layer uses from outside the module gets its gradient in .grad, as without GPipe.
-        with own_gradients(step.stage_params[s], step.runner.shared_locks[s]) as param_grads:
+        assert step.param_grads is not None
+        with own_gradients(step.stage_params[s], step.param_grads[s], step.runner.shared_locks[s]) as sums:
             torch.autograd.backward(roots, grads, retain_graph=keep)
-        step.accumulate(s, param_grads)
+        step.accumulate(s, sums)
         found = [x.grad if x.requires_grad else None for x in inputs]
     del roots, grads, state
     input_grads, skip_grads = _split(found, count, popped)

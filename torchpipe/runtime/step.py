@@ -18,6 +18,7 @@ from torchpipe.worker import ThreadContext
 if TYPE_CHECKING:
     from torchpipe.runtime.driver import StageHooks
     from torchpipe.runtime.runner import Runner
+    from torchpipe.runtime.tune import Timings
     from torchpipe.runtime.weight_grad import WeightGradient
 
 __all__ = ["Plan", "Step", "StageState"]
@@ -97,6 +98,8 @@ class Step:
         sequence: Optional[int] = None,
     ) -> None:
         self.runner = runner
+        #: When measuring (see [Note: zero-bubble placement]): each action's duration, by (stage, kind).
+        self.timings: Optional[Timings] = None
         #: The step's number across processes (the same on every rank); None in one process.
         self.sequence = sequence
         #: The micro-batches' inputs (on the first stage's rank; None elsewhere across processes).
@@ -183,15 +186,8 @@ class Step:
         if roots:
             torch.autograd.backward(roots, grads)
 
-    def accumulate(self, stage: int, grads: Sequence[Optional[Tensor]]) -> None:
-        """Adds one micro-batch's gradients of ``stage``'s parameters to the step's sums (GPipe), where needed."""
+    def accumulate(self, stage: int, sums: Sequence[Optional[Tensor]]) -> None:
+        """Keeps the step's gradient sums of ``stage``'s parameters after one more micro-batch (GPipe), where the
+        caller's backward needs them (see :func:`~torchpipe.runtime.boundary.own_gradients`)."""
         assert self.param_grads is not None and self.needed is not None
-        sums = self.param_grads[stage]
-        for k, (grad, needed) in enumerate(zip(grads, self.needed[stage])):
-            if grad is None or not needed:
-                continue
-            total = sums[k]
-            if total is None:
-                sums[k] = grad  # the backward made it for us alone: later ones add into it in place
-            else:
-                total.add_(grad)
+        self.param_grads[stage] = [total if needed else None for total, needed in zip(sums, self.needed[stage])]

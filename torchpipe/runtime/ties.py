@@ -57,6 +57,18 @@ class Holder(NamedTuple):
     def set(self, root: nn.Module, param: nn.Parameter) -> None:
         self.module(root)._parameters[self.attribute] = param
 
+    def attach(self, layer: nn.Module, param: nn.Parameter) -> None:
+        """Holds ``param`` in ``layer`` (a stand-in for this holder's layer) at this holder's path, making the
+        empty submodules on the way."""
+        module = layer
+        for part in self.path.split(".") if self.path else []:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        module._parameters[self.attribute] = param
+
 
 class Tie(NamedTuple):
     """A parameter held by layers of several stages: its holders in the module's order, with their stages."""
@@ -228,9 +240,12 @@ def sum_copies(
         for grad in found:
             assert grad is not None
             total = grad.clone() if total is None else total.add_(grad.to(total.device))
-        seen = set()
+        seen: List[int] = []
         for s, k in places:
             param = stage_params[s][k]
             first = id(param) not in seen
-            seen.add(id(param))
-            grads[s][k] = total.to(param.device) if first and total is not None else None
+            seen.append(id(param))
+            if not first or total is None:
+                grads[s][k] = None
+            else:  # each copy its own tensor (the engine may make it the copy's .grad)
+                grads[s][k] = total if len(seen) == 1 else total.to(param.device, copy=True)

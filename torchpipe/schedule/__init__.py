@@ -26,6 +26,7 @@ from torchpipe.schedule.check import DEFAULT_COSTS, Costs, Simulation, clock_cyc
 from torchpipe.schedule.generate import (
     NAMES,
     build,
+    choose_split,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -51,6 +52,7 @@ __all__ = [
     "interleaved_1f1b",
     "zero_bubble",
     "with_recomputation",
+    "choose_split",
     "build",
     "NAMES",
 ]

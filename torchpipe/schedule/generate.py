@@ -18,7 +18,7 @@ of at most ``stages - s`` micro-batches::
     worker 1: 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3
     worker 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import simulate
@@ -176,7 +176,7 @@ def _ready(done: Dict[Action, int], action: Action, t: int) -> bool:
     return end is not None and end <= t
 
 
-def zero_bubble(microbatches: int, stages: int) -> Schedule:
+def zero_bubble(microbatches: int, stages: int, split: Optional[Sequence[bool]] = None) -> Schedule:
     """ZB-H1: 1F1B with each backward split into ``I`` (inputs) and ``W`` (weights), ``W`` filling the bubbles.
 
     Each stage runs its forwards and input gradients in 1F1B order; its weight
@@ -186,7 +186,25 @@ def zero_bubble(microbatches: int, stages: int) -> Schedule:
     ``W``). With equal costs for ``F``, ``I`` and ``W`` the step takes
     ``3m + p - 1`` units for ``m >= p``, against 1F1B's ``3m + 3(p - 1)``:
     a third of its bubble, the zero-bubble paper's ZB-H1 figure.
+
+    ``split[s]`` False keeps stage ``s``'s backward whole (``B`` where ``I``
+    was, no ``W``): splitting pays only where ``I`` and ``W`` cost little more
+    than ``B`` (see :func:`torchpipe.schedule.choose_split`). All False is 1F1B.
     """
+    if split is not None and len(split) != stages:
+        raise ValueError(f"split has {len(split)} entries for {stages} stages")
+    schedule = _zero_bubble(microbatches, stages)
+    if split is None or all(split):
+        return schedule
+    lists = [
+        [Action(a.stage, B, a.microbatch) if a.kind is BI and not split[a.stage] else a for a in actions
+         if split[a.stage] or a.kind is not BW]
+        for actions in schedule.workers
+    ]
+    return Schedule(tuple(tuple(a) for a in lists), schedule.stage_workers, microbatches, "zero_bubble")
+
+
+def _zero_bubble(microbatches: int, stages: int) -> Schedule:
     _check(microbatches, stages)
     sequences: List[List[Action]] = []
     for s in range(stages):
@@ -259,10 +277,13 @@ def with_recomputation(schedule: Schedule, checkpointed: Callable[[int, int], bo
 NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
-def build(name: str, microbatches: int, stages: int, workers: Optional[int] = None) -> Schedule:
+def build(
+    name: str, microbatches: int, stages: int, workers: Optional[int] = None, split: Optional[Sequence[bool]] = None
+) -> Schedule:
     """The named schedule (one of :data:`NAMES`) for ``microbatches`` over ``stages``.
 
-    ``workers`` is used by ``'interleaved_1f1b'`` only (default: one per two stages).
+    ``workers`` is used by ``'interleaved_1f1b'`` only (default: one per two stages), ``split`` by
+    ``'zero_bubble'`` only (default: every stage splits).
     """
     if name == "gpipe":
         return gpipe(microbatches, stages)
@@ -271,5 +292,35 @@ def build(name: str, microbatches: int, stages: int, workers: Optional[int] = No
     if name == "interleaved_1f1b":
         return interleaved_1f1b(microbatches, stages, workers if workers is not None else max(1, stages // 2))
     if name == "zero_bubble":
-        return zero_bubble(microbatches, stages)
+        return zero_bubble(microbatches, stages, split)
     raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(map(repr, NAMES))} or build one")
+
+
+def choose_split(microbatches: int, stages: int, costs: Callable[[int, Kind], float]) -> List[bool]:
+    """Which stages of a zero-bubble schedule should split their backward, for measured costs.
+
+    Splitting a stage's ``B`` into ``I`` and ``W`` lets ``W`` fill the bubbles,
+    but pays where ``I`` and ``W`` together cost more than ``B`` (on CPU they
+    may: ``W`` starts the autograd engine anew per weight). ``costs(stage,
+    kind)`` gives each action's duration (``F``, ``B``, ``I``, ``W``); the
+    answer is the split whose simulated step is shortest, found greedily from
+    none (1F1B): a stage is split only if that shortens the step. Pure:
+    the same costs give the same answer.
+    """
+    def step_time(split: List[bool]) -> float:
+        schedule = zero_bubble(microbatches, stages, split)
+        return simulate(schedule, lambda a: costs(a.stage, a.kind)).step_time
+
+    split = [False] * stages
+    best = step_time(split)
+    improved = True
+    while improved:
+        improved = False
+        for s in range(stages):
+            if split[s]:
+                continue
+            trial = split[:s] + [True] + split[s + 1 :]
+            time = step_time(trial)
+            if time < best * (1 - 1e-9):
+                split, best, improved = trial, time, True
+    return split
