@@ -1,5 +1,6 @@
-# The commands of the README: `make run` (a pipelined training run), `make test`, and
-# `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun);
+# The commands of the README: `make run` (a pipelined training run), `make test`,
+# `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun) and
+# `make run-mesh` (two data-parallel replicas of a two-stage Pipeline: four processes on a 2 x 2 mesh);
 # `make run-lm` and `make run-lm-distributed` train a small language model (examples/train_lm.py).
 # Each creates .venv and installs what it needs on its own.
 #
@@ -11,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchpipe-installed
 
-.PHONY: run run-distributed run-lm run-lm-distributed test lint typecheck unit unit-kernels bench docs clean
+.PHONY: run run-distributed run-mesh run-lm run-lm-distributed test lint typecheck unit unit-kernels bench docs clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +35,11 @@ run-lm: $(STAMP)
 
 run-lm-distributed: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_lm.py --distributed
+
+# Pipeline x data parallel: 2 replicas of a 2-stage Pipeline on a (dp, pp) = (2, 2) DeviceMesh, 4 processes
+# (add ARGS="--data-parallel shard" for FSDP2 shards): see docs/distributed.md.
+run-mesh: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/train_distributed.py --dp 2 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check torchpipe torchpipe_balancing tests benchmarks examples

@@ -43,7 +43,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -199,13 +199,6 @@ class Run:
         dist.broadcast(tensor, src=self.last)
         return tensor.cpu()
 
-    def sum_over_ranks(self, tensor: Tensor) -> Tensor:
-        if not self.distributed:
-            return tensor
-        tensor = tensor.to(self.device)
-        dist.all_reduce(tensor)
-        return tensor.cpu()
-
 
 def evaluate(run: Run, pipe: torchpipe.Pipeline, batches: Sequence[Tensor]) -> float:
     """The mean next-byte loss on the held-out batches: loss only, no gradient touched."""
@@ -238,28 +231,6 @@ def continue_text(run: Run, pipe: torchpipe.Pipeline, prompt: bytes, count: int,
     finally:
         pipe.train()
     return bytes(ids[0, len(prompt):].tolist())
-
-
-def clip_gradients(run: Run, pipe: torchpipe.Pipeline, max_norm: float, duplicates: Set[str]) -> Optional[float]:
-    """Clips the whole model's gradients to a norm of ``max_norm``, as ``clip_grad_norm_`` on the plain model.
-
-    ``duplicates``: the names of the tied weight's later holders (``'27.lm_head.weight'``), whose gradient is
-    the first holder's, so that it counts once. Returns the norm before clipping (None: ``max_norm`` is 0).
-    """
-    if max_norm <= 0:
-        return None
-    if hasattr(pipe, "clip_grad_norm_"):  # the Pipeline's own: across ranks, a tied weight counted once
-        return float(pipe.clip_grad_norm_(max_norm))
-    # Until then, by hand: the sum of squares of this process's gradients (each parameter once, a tied one at
-    # its first holder only), added over the ranks, then one scale for every gradient.
-    grads = {id(p): p.grad for name, p in pipe.named_parameters() if p.grad is not None and name not in duplicates}
-    squares = sum((g.detach().double().pow(2).sum().cpu() for g in grads.values()), torch.zeros((), dtype=torch.double))
-    norm = run.sum_over_ranks(squares).sqrt().item()
-    scale = min(1.0, max_norm / (norm + 1e-6))
-    for p in pipe.parameters():
-        if p.grad is not None:
-            p.grad.mul_(scale)
-    return norm
 
 
 def save_timeline(run: Run, pipe: torchpipe.Pipeline, ids: Tensor, path: Path) -> None:
@@ -334,12 +305,6 @@ def main(argv: Sequence[str]) -> None:
 
     seq = language_model(args)
     parameters = {id(p): p.numel() for p in seq.parameters()}  # the tied weight once
-    seen: Set[int] = set()
-    duplicates = set()  # the names of a tied weight's later holders: '27.lm_head.weight'
-    for name, p in seq.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            duplicates.add(name)
-        seen.add(id(p))
     balance = run.agree(find_balance(args, seq, run.stages, held_out[0]) if run.rank == 0 else None)
     run.print(f"model: GPT-2, {args.layers} blocks, width {args.width}, {sum(parameters.values()) / 1e6:.2f}M "
               f"parameters, embedding and head tied; as_sequential: {len(seq)} layers in "
@@ -365,7 +330,8 @@ def main(argv: Sequence[str]) -> None:
     for step in range(1, args.steps + 1):
         ids = windows(train_text, args.batch, args.length, generator)
         recent.append(pipe.step(*run.inputs(ids)).item())
-        clip_gradients(run, pipe, args.clip, duplicates)
+        if args.clip > 0:  # by the whole model's norm, the tied weight counted once: a collective across ranks
+            pipe.clip_grad_norm_(args.clip)
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()

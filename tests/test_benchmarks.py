@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import common, models  # noqa: E402
 
 MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
-           "language_model", "lm_pipeline"]
+           "language_model", "lm_pipeline", "mesh"]
 
 
 def has(module: str) -> bool:
@@ -217,3 +217,27 @@ def test_the_language_model_pipeline_benchmark_runs_quick(capsys: pytest.Capture
     assert all(rank["pipelining"]["others"] for rank in gradients), gradients
     out = capsys.readouterr().out
     assert "machine:" in out and "vs pipelining" in out
+
+
+@pytest.mark.slow
+def test_the_mesh_benchmark_measures_every_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import mesh
+
+    results = mesh.main(["--quick", "--quiet", "--models", "wide", "--timeout", "180"])
+    result = results["models"]["wide"]
+    times = {row["variant"]: row for row in result["times"]}
+    layouts = [mesh.LAYOUTS[k].name for k in mesh.DEFAULT_LAYOUTS]
+    assert set(times) >= {"plain", "by hand", "half batch", *layouts}
+    assert all(row["step_s"] > 0 and row["speedup"] > 0 for row in times.values())
+    for name, ranks in result["memory"].items():
+        assert len(ranks) == (1 if name == "plain" else 2), (name, ranks)
+        assert all(m["params_bytes"] > 0 and m["optimizer_bytes"] == 2 * m["params_bytes"] for m in ranks), ranks
+    # Sharded and pipelined ranks hold half the parameters of a replica.
+    plain = result["memory"]["plain"][0]["params_bytes"]
+    assert result["memory"]["dp 2 x pp 1, replicate"][0]["params_bytes"] == plain
+    assert result["memory"]["dp 2 x pp 1, shard"][0]["params_bytes"] == plain // 2
+    reduction = result["reduction"]
+    assert reduction["pp 2 x dp 1 (pipeline)"]["reduce_s"] == 0
+    for name in ("dp 2 x pp 1, replicate", "dp 2 x pp 1, shard"):
+        assert 0 < reduction[name]["exposed_s"] <= reduction[name]["reduce_s"] <= reduction[name]["step_s"], reduction
+    assert "exposed reduce / step" in capsys.readouterr().out

@@ -1,13 +1,21 @@
 """Tied weights across ranks and pipelines on a 2-D mesh (issues 16, 17): gloo ranks on 127.0.0.1, hard timeouts."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
-from typing import Dict
+from types import ModuleType
+from typing import Dict, List
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
-from tests.distributed.launch import launch, ok
+from tests.distributed.launch import ROOT, free_port, launch, ok
 from tests.test_ties import tied_lm
 
 pytestmark = [
@@ -109,3 +117,69 @@ def test_a_transformers_language_model_across_two_ranks(name: str) -> None:
     pytest.importorskip("transformers")
     problems = ok(launch("tests.distributed.ranks_lm:language_model", 2, timeout=300, name=name))
     assert problems == [[], []], problems
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_distributed", ROOT / "examples" / "train_distributed.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torchrun(arguments: List[str], ranks: int, timeout: float) -> "subprocess.CompletedProcess[str]":
+    """torchrun on 127.0.0.1; torchrun and every rank are killed (their process group) after ``timeout`` s."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), *arguments]
+    child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        raise AssertionError(f"torchrun {arguments} did not end within {timeout} s:\n{stdout[-3000:]}"
+                             f"\n{stderr[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # ranks left behind by torchrun, if any
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_the_example_trains_two_replicas_of_a_two_stage_pipeline(tmp_path: Path, mode: str) -> None:
+    # make run-mesh, briefly: 4 ranks as a 2 x 2 mesh. Each replica reads its half of every batch, so the model
+    # it saves is the plain model trained on the whole batches, with the same optimizer.
+    example = _example()
+    batches, batch = 3, 64
+    done = _torchrun([str(ROOT / "examples" / "train_distributed.py"), "--dp", "2", "--data-parallel", mode,
+                      "--epochs", "1", "--batches", str(batches), "--batch", str(batch), "--chunks", "4",
+                      "--timeline", str(tmp_path / "timeline.json"), "--save", str(tmp_path / "model.pt")],
+                     ranks=4, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"mesh dp 2 x pp 2 ({mode})" in done.stdout and "batch 64 (32 per replica)" in done.stdout, done.stdout
+    assert "epoch 1/1: loss" in done.stdout and "timeline of one step of replica 0" in done.stdout, done.stdout
+
+    events = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    kinds = {(e["pid"], e["cat"]) for e in events if e.get("ph") == "X"}
+    # Every stage's gradient reduction over 'dp' is on the timeline, under both modes.
+    expected = {(rank, kind) for rank in (0, 1) for kind in ("forward", "backward", "reduce")}
+    assert expected <= kinds, kinds
+
+    plain = example.model(2)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    for x, y in example.data(batches, batch):
+        F.cross_entropy(plain(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    trained = plain.state_dict()
+    assert list(saved) == list(trained)
+    for key, value in trained.items():
+        assert type(saved[key]) is torch.Tensor and saved[key].shape == value.shape, (key, type(saved[key]))
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
