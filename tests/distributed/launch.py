@@ -21,8 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
-import datetime, importlib, json, os, sys, traceback
+import datetime, faulthandler, importlib, json, os, signal, sys, traceback
 import torch, torch.distributed as dist
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for the stacks of a rank that hangs
 module, name, rank, world, port, folder, kwargs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
     sys.argv[5], sys.argv[6], json.loads(sys.argv[7])
 torch.set_num_threads(1)
@@ -74,11 +75,22 @@ def launch(function: str, world: int, *, timeout: float = 120.0, **kwargs: Any) 
             for child in children:
                 child.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            # Where each rank that is still running hangs: Python's stacks of all its threads, into its log.
+            running = [child for child in children if child.poll() is None]
+            for child in running:
+                try:
+                    os.kill(child.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2.0 if running else 0.0)
+            # Read before killing: the first rank killed takes the store with it, and the others' logs fill
+            # with its complaints.
+            outputs = [(Path(folder) / f"{rank}.log").read_bytes().decode(errors="replace")[-6000:]
+                       for rank in range(world)]
             for child in children:
                 _kill(child)
-            outputs = [(Path(folder) / f"{rank}.log").read_bytes().decode(errors="replace")[-3000:]
-                       for rank in range(world)]
-            shown = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in enumerate(outputs))
+            states = ["still running" if child in running else "ended" for child in children]
+            shown = "\n".join(f"--- rank {rank} ({states[rank]}) ---\n{text}" for rank, text in enumerate(outputs))
             raise AssertionError(f"{function} on {world} ranks did not end within {timeout} s:\n{shown}") from None
         finally:
             for child in children:

@@ -118,11 +118,25 @@ def replicate_transparency(rank: int, world: int, mode: str, dp: int, pp: int) -
     return problems
 
 
-def failure_on_one_replica(rank: int, world: int, mode: str) -> Dict[str, Any]:
-    """A layer raises on one rank of replica 1: every rank of both replicas ends the step within seconds; the
-    next step works everywhere."""
+def failure_on_one_replica(rank: int, world: int, mode: str, first_stage_sleeps: float = 0.0) -> Dict[str, Any]:
+    """A layer raises on one rank of replica 1 (its second stage's first layer): every rank of both replicas
+    ends the step within seconds; the next step works everywhere.
+
+    ``first_stage_sleeps``: replica 0's first stage sleeps that long in the first step's first forward, so that
+    replica 0's second stage learns of the failure before it ever ran a forward.
+    """
     mesh = mesh_of(2, 2)
     replica, position = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+
+    class Sleeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sleep = first_stage_sleeps if replica == 0 else 0.0
+
+        def forward(self, x: Tensor) -> Tensor:
+            time.sleep(self.sleep)
+            self.sleep = 0.0
+            return x
 
     class Fails(nn.Module):
         failing = True
@@ -133,8 +147,8 @@ def failure_on_one_replica(rank: int, world: int, mode: str) -> Dict[str, Any]:
             return x
 
     layers: List[nn.Module] = list(tied_lm(layers=2))
-    model = nn.Sequential(*layers[:3], Fails(), *layers[3:])
-    pipe = Pipeline(model, [3, 4], chunks=2, loss_fn=lm_loss, mesh=mesh, data_parallel=mode)
+    model = nn.Sequential(Sleeps(), *layers[:3], Fails(), *layers[3:])
+    pipe = Pipeline(model, [4, 4], chunks=2, loss_fn=lm_loss, mesh=mesh, data_parallel=mode)
     x, y = tokens(batch=4, seed=replica)
     report: Dict[str, Any] = {}
     start = time.monotonic()
@@ -145,7 +159,7 @@ def failure_on_one_replica(rank: int, world: int, mode: str) -> Dict[str, Any]:
         report["raised"] = type(exc).__name__
         report["message"] = str(exc)
     report["seconds"] = time.monotonic() - start
-    model[3].failing = False
+    model[4].failing = False
     pipe.zero_grad()
     loss = pipe.step(x if position == 0 else None, y if position == 1 else None)
     report["next step"] = bool(torch.isfinite(loss))

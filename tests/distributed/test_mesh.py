@@ -56,6 +56,21 @@ def test_a_failure_on_one_replica_ends_the_step_on_every_rank(mode: str) -> None
         assert report["next step"], (rank, report)
 
 
+def test_a_failure_before_a_sharded_stage_ever_ran_forward_ends_the_step_on_every_rank() -> None:
+    # Seen in CI under load: replica 1's second stage failed in the first step's first forward while replica
+    # 0's second stage was still waiting for its input. FSDP2 initialises a module's state at its first
+    # forward; the stage that had never run one had none, so its abort issued no reduce-scatter (and then
+    # raised, skipping the tied weight's sum), while its peer on replica 1, whose forward had begun, issued
+    # one and waited for it forever. Replica 0's first stage sleeps here to make that order certain.
+    reports = ok(launch("tests.distributed.ranks_mesh:failure_on_one_replica", 4, timeout=60, mode="shard",
+                        first_stage_sleeps=3.0))
+    for rank, report in enumerate(reports):
+        assert report["raised"] in ("ValueError", "PipelineError"), (rank, report)
+        assert "layer failed on purpose" in report["message"], (rank, report)
+        assert report["seconds"] < 15, (rank, report)
+        assert report["next step"], (rank, report)
+
+
 def test_bad_meshes_are_a_value_error_on_every_rank() -> None:
     for errors in ok(launch("tests.distributed.ranks_mesh:bad_arguments", 4)):
         assert "data_parallel must be 'replicate' or 'shard'" in errors[0]

@@ -165,6 +165,8 @@ class GradientReducer(StageHooks):
         self._issued: List[int] = []
         self._done: Set[int] = set()
         self._tie_pending: Optional[List[Tuple[_Bucket, Tensor, Any, TiedGroup]]] = None
+        #: Whether this step's tied-copy sums were issued (an abort after them owes none).
+        self._ties_issued = False
         self._sequence = -1
 
     # --- the lifecycle ----------------------------------------------------------------------------------
@@ -189,6 +191,7 @@ class GradientReducer(StageHooks):
             self._issued = []
             self._done = set()
             self._tie_pending = None
+            self._ties_issued = False
 
     def after_last_backward(self, step: Step, stage: int) -> None:
         if self.replicas is None:
@@ -216,6 +219,7 @@ class GradientReducer(StageHooks):
                 param.grad = grad
         self._pending = []
         if self.ties:
+            self._ties_issued = True
             self._tie_pending = [self._start_tie(tie, tie.param.grad) for tie in self.ties]
             for bucket, flat, work, tie in self._tie_pending:
                 self._wait(work)
@@ -232,7 +236,10 @@ class GradientReducer(StageHooks):
         if self.replicas is not None:
             for stage in self.order[len(self._issued) :]:
                 self._issue(stage, zeros=True)
-        if self.ties and self._tie_pending is None:
+        if self.ties and not self._ties_issued:
+            # Once per step, whether after_step issued them (and may even have finished them: a peer failed
+            # after) or not: one more would pair with the peer's next step's and hang it.
+            self._ties_issued = True
             self._tie_pending = [self._start_tie(tie, None) for tie in self.ties]
         works = [p.work for p in self._pending] + [t[2] for t in self._tie_pending or ()]
         deadline = time.monotonic() + _ABORT_SECONDS

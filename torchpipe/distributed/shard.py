@@ -80,6 +80,12 @@ def shard_stages(stages: Dict[int, nn.Module], dp_mesh: Any) -> Dict[int, Any]:
     for s, stage in stages.items():
         module = fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
         module.set_gradient_divide_factor(1.0)  # a sum: see [Note: FSDP2 in a pipeline]
+        # FSDP2 initialises a module's state at its first forward; a rank whose first step fails before its
+        # stage ever ran one would have none, and its abort would issue no reduce-scatter while its peers
+        # issue theirs and wait forever. Every stage is initialised here, the same on every rank.
+        lazy_init = getattr(_root_state(module), "_lazy_init", None)
+        if callable(lazy_init):
+            lazy_init()
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
         if hasattr(module, "set_reduce_scatter_unused_params"):

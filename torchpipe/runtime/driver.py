@@ -107,9 +107,16 @@ def end(step: "Step") -> None:
 
 def abort(step: "Step") -> None:
     """The step failed: every hook's ``abort``, also a hook whose ``before_step`` did not run (it must still do
-    what its peers expect of it in this step)."""
+    what its peers expect of it in this step), and also after another hook's ``abort`` raised (then the first
+    such error is raised at the end)."""
+    error: Optional[BaseException] = None
     for hook in step.hooks:
-        hook.abort(step)
+        try:
+            hook.abort(step)
+        except BaseException as exc:  # noqa: B036 - raised below, once every hook has done its share
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 @contextlib.contextmanager
