@@ -130,6 +130,31 @@ def train_step(model: nn.Module, input: Union[Tensor, Tuple[Tensor, ...]]) -> St
     return step
 
 
+def microbatched_train_step(model: nn.Module, input: Union[Tensor, Tuple[Tensor, ...]], chunks: int) -> Step:
+    """The micro-batched ideal's yardstick: the plain module's training step on the mini-batch cut into
+    ``chunks`` micro-batches, run one after another on the calling thread (each micro-batch's loss weighed by
+    its share, so the gradients are the whole batch's). A pipeline can at best overlap these micro-batches;
+    cutting the batch alone already costs what smaller kernels lose."""
+    inputs = (input,) if isinstance(input, Tensor) else tuple(input)
+    parts = list(zip(*(x.chunk(chunks) for x in inputs)))
+    total = inputs[0].size(0)
+
+    def step() -> None:
+        for part in parts:
+            output = model(part[0] if isinstance(input, Tensor) else part)
+            (_loss(output) * (part[0].size(0) / total)).backward()  # type: ignore[no-untyped-call]
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def pipeline_ideal(partitions: int, chunks: int) -> float:
+    """The best step time of a pipeline of ``partitions`` stages on as many cores, over the same ``chunks``
+    micro-batches run by hand on one: (m + p - 1) / (m p) (the bubble of m micro-batches over p stages)."""
+    return (chunks + partitions - 1) / (chunks * partitions)
+
+
 @dataclass
 class Variant:
     """A step to compare with the plain step.

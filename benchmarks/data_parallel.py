@@ -79,6 +79,13 @@ def main() -> None:
         plain.zero_grad(set_to_none=True)
         dp(x).pow(2).mean().backward()
 
+    halves = list(x.chunk(2))
+
+    def by_hand_step() -> None:  # the micro-batched ideal's yardstick: the replicas' halves, one after another
+        plain.zero_grad(set_to_none=True)
+        for half in halves:
+            (plain(half).pow(2).mean() / 2).backward()
+
     def chained_step() -> None:
         feature.zero_grad(set_to_none=True)
         head.zero_grad(set_to_none=True)
@@ -94,7 +101,6 @@ def main() -> None:
     # Calibration: the same two half-batch train steps on two bare threads (1 intra-op thread
     # each) versus one after the other. Their ratio is what this machine allows right now
     # (shared or throttled vCPUs show here, not only in DataParallel).
-    halves = list(x.chunk(2))
 
     def half_step(chunk: torch.Tensor) -> None:
         torch.set_num_threads(1)
@@ -116,6 +122,7 @@ def main() -> None:
         "calibration: 2 half forwards, in sequence": bare_sequential,
         "calibration: 2 half forwards, 2 threads": bare_threads,
         "plain, 1 thread": plain_step,
+        "2 half batches by hand, 1 thread": by_hand_step,
         "DataParallel, 2 cpu replicas x 1 thread": dp_step,
         "chained a -> b (no gather)": chained_step,
         "gather a, re-scatter into b": regathered_step,
@@ -137,6 +144,10 @@ def main() -> None:
     print(f"machine's two-thread ratio (bare threads, same work): {ceiling:.2f} (1.0 = no parallelism available)")
     ratio = median["DataParallel, 2 cpu replicas x 1 thread"] / median["plain, 1 thread"]
     print(f"DataParallel / plain (1 thread) time ratio: {ratio:.2f} (goal <= 0.6)")
+    by_hand = median["2 half batches by hand, 1 thread"]
+    print(f"DataParallel / the same 2 half batches by hand (the micro-batched ideal's yardstick): "
+          f"{median['DataParallel, 2 cpu replicas x 1 thread'] / by_hand:.2f} (ideal 0.50; by hand / plain: "
+          f"{by_hand / median['plain, 1 thread']:.2f})")
     saved = median["gather a, re-scatter into b"] - median["chained a -> b (no gather)"]
     share = saved / median["gather a, re-scatter into b"]
     print(f"chaining saves {saved * 1e3:.1f} ms per step ({share:.1%}) versus gather and re-scatter")

@@ -220,6 +220,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 ours_step = common.train_step(ours, sample)
                 ours_step()  # starts the workers under `threads`
             variants.append(common.Variant("torchpipe", ours_step, 1 if device.type == "cpu" else None))
+            # The micro-batched ideal's yardstick: the same micro-batches through the plain module, by hand.
+            variants.append(common.Variant("by hand", common.microbatched_train_step(plain, sample, chunks), threads))
             pair: List[common.Variant] = []
             if hand is not None:
                 with common.intra_op_threads(threads):
@@ -289,9 +291,10 @@ def print_model(workload: models.Workload, rows: Sequence[Dict[str, Any]]) -> No
     table = []
     traced = any("traced_vs_hand" in r for r in rows)
     for r in rows:
-        ours, theirs = r["torchpipe"], r.get("torchgpipe")
+        ours, theirs, hand_made = r["torchpipe"], r.get("torchgpipe"), r["by hand"]
         line = [f"{r['partitions']}x{r['chunks']}", ",".join(map(str, r["balance"])), ours["samples_per_s"],
-                ours["throughput_ratio"]]
+                ours["throughput_ratio"], hand_made["throughput_ratio"], ours["time_ratio"] / hand_made["time_ratio"],
+                common.pipeline_ideal(r["partitions"], r["chunks"])]
         if traced:
             hand, versus = r["hand-written"], r["traced_vs_hand"]
             line += [hand["samples_per_s"], hand["throughput_ratio"], versus["time_ratio"]]
@@ -299,15 +302,20 @@ def print_model(workload: models.Workload, rows: Sequence[Dict[str, Any]]) -> No
             line += [theirs["samples_per_s"] if theirs else None, theirs["throughput_ratio"] if theirs else None]
         table.append(line)
     if traced:
-        print(common.format_table(["partitions x chunks", "balance", "traced/s", "x plain", "by hand/s", "x plain",
-                                   "traced/hand time"], table))
+        print(common.format_table(["partitions x chunks", "balance", "traced/s", "x plain", "micro-batched x plain",
+                                   "time / micro-batched", "ideal", "hand-written/s", "x plain", "traced/hand time"],
+                                  table))
         print("(x plain: throughput / the plain module's, median of interleaved pairs; > 1 is faster. traced/hand "
               "time: step time of GPipe over the traced model cut at the same blocks as the hand-written one, over "
-              "the hand-written one's, median of interleaved pairs; < 1.05 is the goal)", flush=True)
+              "the hand-written one's, median of interleaved pairs; < 1.05 is the goal. micro-batched: the same "
+              "micro-batches through the plain module by hand; ideal: (m + p - 1) / (m p))", flush=True)
         return
-    print(common.format_table(["partitions x chunks", "balance", "torchpipe/s", "x plain", "torchgpipe/s",
-                               "x plain"], table))
-    print("(x plain: throughput / the plain module's, median of interleaved pairs; > 1 is faster)", flush=True)
+    print(common.format_table(["partitions x chunks", "balance", "torchpipe/s", "x plain", "micro-batched x plain",
+                               "time / micro-batched", "ideal", "torchgpipe/s", "x plain"], table))
+    print("(x plain: throughput / the plain module's, median of interleaved pairs; > 1 is faster. micro-batched: "
+          "the same micro-batches through the plain module by hand, one after another, with the plain module's "
+          "threads; time / micro-batched: the pipeline's step time over theirs; ideal: (m + p - 1) / (m p), the "
+          "best a pipeline of p stages on p cores can do against m micro-batches on one core)", flush=True)
 
 
 def plot(results: Dict[str, Any], path: str) -> None:

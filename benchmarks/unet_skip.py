@@ -89,6 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 step = common.train_step(pipe, sample)
                 step()
             variants.append(common.Variant(f"torchpipe {key}", step, 1))
+        variants.append(common.Variant("by hand", common.microbatched_train_step(built["plain"], sample, chunks),
+                                       threads))
         if tg is not None and "skip-torchgpipe" in built:
             theirs = tg.GPipe(copy.deepcopy(built["skip-torchgpipe"]), balance, devices=["cpu"] * partitions,
                               chunks=chunks, checkpoint=args.checkpoint)
@@ -97,12 +99,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                                         desc=f"unet {text}", quiet=args.quiet)}
         ratios = [compared[n].ratio if n in compared else None
                   for n in ("torchpipe tuple", "torchpipe skip", "torchgpipe skip")]
-        rows.append([text, ",".join(map(str, balance)), *ratios])
+        hand = compared["by hand"].ratio
+        skip_vs_hand = compared["torchpipe skip"].ratio / hand if "torchpipe skip" in compared else None
+        rows.append([text, ",".join(map(str, balance)), hand, *ratios, skip_vs_hand,
+                     common.pipeline_ideal(partitions, chunks)])
         results["configs"].append({"partitions": partitions, "chunks": chunks, "balance": balance,
                                    **{name: c.as_dict() for name, c in compared.items()}})
-    print(common.format_table(["partitions x chunks", "balance", "tuple / plain", "stash/pop / plain",
-                               "torchgpipe stash/pop / plain"], rows))
-    print("(step time / the plain module's step time, median of interleaved pairs; < 1 is faster)", flush=True)
+    print(common.format_table(["partitions x chunks", "balance", "micro-batched / plain", "tuple / plain",
+                               "stash/pop / plain", "torchgpipe stash/pop / plain", "stash/pop / micro-batched",
+                               "ideal"], rows))
+    print("(step time / the plain module's step time, median of interleaved pairs; < 1 is faster. micro-batched: "
+          "the same micro-batches through the plain module by hand, one after another; ideal: (m + p - 1) / (m p) "
+          "of that, for p partitions on p cores)", flush=True)
     if args.json:
         common.save_json(args.json, results)
         print(f"json: {args.json}")

@@ -6,6 +6,9 @@ and gathered for the step. FSDP2 by itself would gather, reduce and reshard
 around every forward and backward, that is per micro-batch. Here the stage
 lifecycle (see [Note: stage lifecycle]) drives it instead:
 
+- the pipeline is made: each stage's FSDP2 state is initialised (FSDP2 would
+  do it at the stage's first forward, which a failed first step may never
+  reach on some ranks: they would then owe collectives they cannot issue);
 - the step starts: each stage's parameters are gathered once (``unshard``),
   and FSDP is told that no backward is the last and none reduces or reshards;
 - a stage's last backward is done: its reduce-scatter starts (FSDP's
