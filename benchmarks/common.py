@@ -12,6 +12,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -153,6 +154,34 @@ def pipeline_ideal(partitions: int, chunks: int) -> float:
     """The best step time of a pipeline of ``partitions`` stages on as many cores, over the same ``chunks``
     micro-batches run by hand on one: (m + p - 1) / (m p) (the bubble of m micro-batches over p stages)."""
     return (chunks + partitions - 1) / (chunks * partitions)
+
+
+def two_thread_ratio(first: Step, second: Step, *, rounds: int = 5) -> float:
+    """What this machine's cores allow right now: the time of ``first`` and ``second`` (two independent
+    halves of one piece of work) on two threads at once, over their time one after the other (median of
+    interleaved pairs). 0.5 is two free cores; shared or hyper-threaded vCPUs, memory bandwidth and the GIL
+    show here as more. A pipeline of two stages cannot beat it: its ideal on this machine is this ratio
+    times 2 times the bubble's (m + p - 1) / (m p)."""
+
+    def sequential() -> None:
+        first()
+        second()
+
+    threads = torch.get_num_threads()
+
+    def on_the_other_thread() -> None:
+        torch.set_num_threads(threads)  # OpenMP's thread count is per thread: the same as the caller's
+        second()
+
+    def parallel() -> None:
+        other = threading.Thread(target=on_the_other_thread)
+        other.start()
+        first()
+        other.join()
+
+    [result] = compare(Variant("one thread", sequential), [Variant("two threads", parallel)], rounds=rounds,
+                       warmup=1, quiet=True)
+    return result.ratio
 
 
 @dataclass

@@ -17,6 +17,7 @@ minus the same micro-batches by hand, over its 128 tasks.
     python benchmarks/overhead.py [--rounds 11] [--json out.json]
 """
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -136,12 +137,18 @@ def main() -> None:
     print(f"(median step time over the plain step, and over the same micro-batches by hand; ideal: (m + p - 1)"
           f" / (m p) of by hand; the plain step takes {results[CONFIGS[0][0]]['plain_s'] * 1e3:.0f} ms, 8"
           f" micro-batches by hand {by_hand_8:.2f}x that)")
+    # What the two cores allow now: the two halves of the 8 micro-batches on two bare threads at once.
+    halves = [by_hand(copy.deepcopy(reference), half, 4) for half in x.chunk(2)]
+    two_threads = common.two_thread_ratio(halves[0], halves[1], rounds=args.rounds)
+    print(f"two bare threads, each with half of the 8 micro-batches: {two_threads:.3f} of the time on one thread "
+          f"(two free cores: 0.500); so a 2-partition pipeline's best here now is {two_threads:.3f} x 2 x "
+          f"{ideal(2, 8):.4f} = {two_threads * 2 * ideal(2, 8):.3f} of the micro-batches by hand")
     per_task = fixed_cost_per_task(args.rounds)
     print(f"fixed cost per task (2 partitions x 32 micro-batches of a model whose layers cost nothing): "
           f"{per_task:.0f} us")
     if args.json:
         common.save_json(args.json, {"ratios": results, "goals": {CONFIGS[i][0]: g for i, g in GOALS.items()},
-                                     "fixed_cost_per_task_us": per_task})
+                                     "two_threads": two_threads, "fixed_cost_per_task_us": per_task})
 
 
 if __name__ == "__main__":

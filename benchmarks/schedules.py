@@ -43,7 +43,8 @@ CONFIGS: List[Tuple[str, str, int]] = [
     ("interleaved_1f1b (4 stages)", "interleaved_1f1b", 4),
     ("zero_bubble", "zero_bubble", 2),
 ]
-TIME_GOAL = 0.70
+#: Issue 18: every schedule at most this fraction of the same micro-batches run by hand (ideal 9/16).
+TIME_GOAL = 0.62
 MEMORY_GOAL = 0.5
 
 
@@ -185,12 +186,15 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
         del pipe
         rows.append({
             "model": model, "schedule": name, "time_ratio": result.ratio, "plain_ms": result.plain_seconds * 1e3,
+            "vs_by_hand": result.ratio / by_hand.ratio, "ideal": common.pipeline_ideal(2, chunks),
             "memory_ratio": step_memory(model, schedule, stages, chunks) / max(plain_memory, 1),
             "simulated_bubble": simulated, "measured_idle": idle,
         })
         print(common.format_table(
-            ["", "step time / plain", "peak memory / plain", "simulated bubble", "measured idle"],
-            [[f"{model} {name}", result.ratio, rows[-1]["memory_ratio"], simulated, idle]],
+            ["", "step time / plain", "/ by hand", "ideal", "peak memory / plain", "simulated bubble",
+             "measured idle"],
+            [[f"{model} {name}", result.ratio, rows[-1]["vs_by_hand"], rows[-1]["ideal"], rows[-1]["memory_ratio"],
+              simulated, idle]],
         ).splitlines()[-1], flush=True)
     return rows
 
@@ -205,22 +209,26 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"machine: {common.machine_description()}; workers and plain with 1 intra-op thread each")
-    headers = ["model / schedule", "step time / plain", "peak memory / plain", "simulated bubble", "measured idle"]
+    headers = ["model / schedule", "step time / plain", "/ by hand", "ideal", "peak memory / plain",
+               "simulated bubble", "measured idle"]
     print(common.format_table(headers, []).splitlines()[0])
     rows: List[Dict[str, Any]] = []
     for model in args.models:
         rows += run(model, args.rounds, args.chunks)
     print()
-    print(common.format_table(headers, [[f"{r['model']} {r['schedule']}", r["time_ratio"], r["memory_ratio"],
-                                         r["simulated_bubble"], r["measured_idle"]] for r in rows]))
+    print(common.format_table(headers, [[f"{r['model']} {r['schedule']}", r["time_ratio"], r.get("vs_by_hand"),
+                                         r.get("ideal"), r["memory_ratio"], r["simulated_bubble"], r["measured_idle"]]
+                                        for r in rows]))
     mlp_rows = {r["schedule"]: r for r in rows if r["model"] == "mlp" and r["memory_ratio"] is not None}
     if mlp_rows:
-        worst = max(r["time_ratio"] for r in mlp_rows.values())
+        worst = max(r["vs_by_hand"] for r in mlp_rows.values())
         memory_vs_gpipe = mlp_rows["1f1b"]["memory_ratio"] / mlp_rows["gpipe"]["memory_ratio"]
-        print(f"\nMLP goals: every schedule <= {TIME_GOAL} of plain (worst {worst:.3f}); "
+        print(f"\nMLP goals: every schedule <= {TIME_GOAL} of the same micro-batches by hand (worst {worst:.3f}, "
+              f"ideal {common.pipeline_ideal(2, args.chunks):.4f}); "
               f"1f1b peak memory <= {MEMORY_GOAL} of gpipe's ({memory_vs_gpipe:.3f})")
     medians = [f"{m} {statistics.median(r['plain_ms'] for r in rows if r['model'] == m):.0f} ms" for m in args.models]
-    print(f"(ratios: median of interleaved plain/pipelined pairs; plain step medians: {', '.join(medians)})")
+    print(f"(ratios: median of interleaved plain/pipelined pairs; / by hand: over the same micro-batches run by hand "
+          f"through the plain module; ideal: (m + p - 1) / (m p) of that; plain step medians: {', '.join(medians)})")
     if args.json:
         common.save_json(args.json, {"rows": rows, "goals": {"time": TIME_GOAL, "memory_vs_gpipe": MEMORY_GOAL}})
 

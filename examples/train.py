@@ -313,6 +313,26 @@ def main(argv: Sequence[str]) -> None:
           f"({speed['gpipe'] / speed['plain']:.2f}x); peak step memory: GPipe {peaks['gpipe'] / mib:.1f} MiB vs "
           f"plain {peaks['plain'] / mib:.1f} MiB ({peaks['gpipe'] / max(peaks['plain'], 1):.2f}x, {memory_note}); "
           f"batch {args.batch_size}, {args.partitions} partitions, chunks {args.chunks}")
+    where = f"{args.partitions} CPU cores" if on_cpu else f"{args.partitions} GPUs"
+    print(summary(speed["gpipe"] / speed["plain"], peaks["gpipe"] / max(peaks["plain"], 1), where))
+
+
+def summary(speed: float, memory: float, where: str) -> str:
+    """What pipelining bought in this run, in one plain sentence: speed, memory, or neither."""
+    faster = speed >= 1.02
+    smaller = memory <= 0.9
+    said = f"GPipe trained at {speed:.2f}x the plain model's speed in {memory:.2f}x its peak step memory"
+    if faster and smaller:
+        verdict = "pipelining bought both speed and memory here"
+    elif faster:
+        verdict = "pipelining bought speed here, at about the same memory"
+    elif smaller:
+        cost = "about the same speed" if speed >= 0.98 else f"{1 - speed:.0%} less speed"
+        verdict = (f"pipelining bought memory here, not speed: {1 / memory:.1f}x the batch (or the model) fits "
+                   f"in the same memory, at {cost}")
+    else:
+        verdict = "pipelining bought neither here: try more micro-batches (--chunks) or checkpointing"
+    return f"summary: on {where}, {said}: {verdict}"
 
 
 if __name__ == "__main__":

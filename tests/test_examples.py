@@ -62,8 +62,11 @@ def test_train_small_run(tmp_path: Path) -> None:
     assert "balance_by_time" in lines[0]
     epochs = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("epoch ")]
     assert len(epochs) == 2
-    last = lines[-1]
-    assert last.startswith("throughput: GPipe ") and "samples/s vs plain" in last and "peak step memory" in last
+    figures, last = lines[-2], lines[-1]
+    assert figures.startswith("throughput: GPipe ") and "samples/s vs plain" in figures
+    assert "peak step memory" in figures
+    # The last line says in words what pipelining bought in this run, from the same figures.
+    assert last.startswith("summary: on 2 CPU cores, GPipe trained at ") and "pipelining bought" in last
     assert (tmp_path / "timeline.json").stat().st_size > 0
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -72,8 +75,26 @@ def test_train_without_timeline(tmp_path: Path) -> None:
     out = run("train.py", "--epochs", "1", "--steps-per-epoch", "1", "--batch-size", "8", "--width", "4",
               "--partitions", "3", "--chunks", "2", "--speed-rounds", "1", "--balance-timeout", "0.1",
               "--no-progress", "--no-timeline", "--out", str(tmp_path / "none"))
-    assert "3 partitions" in out.strip().splitlines()[-1]
+    assert "3 partitions" in out.strip().splitlines()[-2]
+    assert out.strip().splitlines()[-1].startswith("summary: on 3 CPU cores")
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("speed, memory, said", [
+    (0.88, 0.42, "bought memory here, not speed: 2.4x the batch (or the model) fits in the same memory, at 12% less"),
+    (0.99, 0.50, "bought memory here, not speed: 2.0x the batch (or the model) fits in the same memory, at about the "
+                 "same speed"),
+    (1.30, 0.95, "bought speed here, at about the same memory"),
+    (1.30, 0.40, "bought both speed and memory here"),
+    (0.80, 1.00, "bought neither here"),
+])
+def test_the_summary_line_says_what_pipelining_bought(speed: float, memory: float, said: str) -> None:
+    spec = importlib.util.spec_from_file_location("train_summary", EXAMPLES / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    line = module.summary(speed, memory, "2 CPU cores")
+    assert line.startswith(f"summary: on 2 CPU cores, GPipe trained at {speed:.2f}x") and said in line, line
 
 
 def test_train_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
