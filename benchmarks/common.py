@@ -358,6 +358,19 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
+def proc_status_bytes(field: str) -> int:
+    """A size line of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...), in bytes.
+
+    Raises:
+        RuntimeError: there is no such line (the memory figures need Linux).
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line (the memory figures need Linux)")
+
+
 def cpu_peak_rss_bytes() -> int:
     """This process's peak resident set size so far, in bytes.
 
@@ -367,11 +380,8 @@ def cpu_peak_rss_bytes() -> int:
     would report at least the parent's size. Elsewhere, ``ru_maxrss``.
     """
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        return proc_status_bytes("VmHWM")
+    except (OSError, RuntimeError):
         pass
     import resource
 
@@ -405,3 +415,41 @@ def run_in_child(target: str, kwargs: Mapping[str, Any], *, timeout: float = 600
         tail = "\n".join(done.stderr.strip().splitlines()[-8:])
         raise RuntimeError(f"{target}({dict(kwargs)}) failed in a child process (exit {done.returncode}):\n{tail}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a process group's store)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_environment(port: int, **extra: str) -> Dict[str, str]:
+    """The environment of a benchmark's rank: this one, with the store on 127.0.0.1:``port``, one OpenMP
+    thread, ``benchmarks`` importable, and ``extra``."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def run_ranks(commands: Sequence[Sequence[str]], env: Mapping[str, str], timeout: float, what: str) -> None:
+    """Runs one process per command (its rank) and waits for all; every one still running is killed when
+    ``timeout`` seconds have passed or one fails.
+
+    Raises:
+        RuntimeError: a rank exited with an error (``what`` names the run).
+        subprocess.TimeoutExpired: the ranks did not all end in time.
+    """
+    children = [subprocess.Popen(list(command), cwd=ROOT, env=dict(env), start_new_session=True)
+                for command in commands]
+    try:
+        deadline = time.monotonic() + timeout
+        for child in children:
+            if child.wait(timeout=max(0.1, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"{what}: a rank exited with {child.returncode}")
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()

@@ -26,9 +26,7 @@ of pipelining's same schedule in the same run; a fixed cost per step no more tha
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -166,39 +164,15 @@ def measure(
     width: int = WIDTH,
 ) -> Dict[str, Any]:
     """Starts 2 ranks for one configuration; rank 0's figures (the ranks are killed after ``timeout`` s)."""
-    port = _free_port()
+    port = common.free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
         spawned = time.time()
-        children = []
-        for rank in range(WORLD):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            paths = [str(common.ROOT)] + ([env["PYTHONPATH"]] if "PYTHONPATH" in env else [])
-            env["PYTHONPATH"] = os.pathsep.join(paths)
-            children.append(subprocess.Popen(
-                [sys.executable, __file__, "--rank", str(rank), "--library", library, "--schedule", schedule,
-                 "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned),
-                 "--layers", str(layers), "--width", str(width)],
-                cwd=common.ROOT, env=env, start_new_session=True,
-            ))
-        try:
-            deadline = time.monotonic() + timeout
-            for child in children:
-                if child.wait(timeout=max(0.1, deadline - time.monotonic())) != 0:
-                    raise RuntimeError(f"{library} {schedule} batch {batch}: a rank exited with {child.returncode}")
-        finally:
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
+        commands = [[sys.executable, __file__, "--rank", str(rank), "--library", library, "--schedule", schedule,
+                     "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned),
+                     "--layers", str(layers), "--width", str(width)] for rank in range(WORLD)]
+        common.run_ranks(commands, common.rank_environment(port), timeout, f"{library} {schedule} batch {batch}")
         return dict(json.loads(Path(out).read_text()))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

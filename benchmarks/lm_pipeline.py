@@ -48,9 +48,7 @@ import argparse
 import copy
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -129,21 +127,13 @@ def drop_grads(module: nn.Module) -> None:
 # --- memory ------------------------------------------------------------------------------------------------
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field} line (the memory figures need Linux)")
-
-
 def peak_of(step: Callable[[], None]) -> int:
     """Bytes the step adds at its peak to this process's resident set (VmHWM reset just before it)."""
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets the peak resident set size to the current one (Linux 4.0+)
-    before = _status_bytes("VmRSS")
+    before = common.proc_status_bytes("VmRSS")
     step()
-    return max(0, _status_bytes("VmHWM") - before)
+    return max(0, common.proc_status_bytes("VmHWM") - before)
 
 
 # --- the variants on this rank -------------------------------------------------------------------------------
@@ -317,39 +307,15 @@ def rank_main(rank: int, shape: Dict[str, int], rounds: int, warmup: int, out: s
 
 def measure(shape: Dict[str, int], rounds: int, warmup: int, timeout: float = 1200.0) -> Dict[str, Any]:
     """Starts the 2 ranks, waits for them (killed after ``timeout`` s), and returns rank 0's figures."""
-    port = _free_port()
+    port = common.free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
-        children = []
-        for rank in range(WORLD):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       # Large blocks straight from mmap and back on free: the resident set follows live tensors.
-                       MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-            env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT)] + ([env["PYTHONPATH"]] if "PYTHONPATH" in env
-                                                                          else []))
-            children.append(subprocess.Popen(
-                [sys.executable, __file__, "--rank", str(rank), "--shape", json.dumps(shape), "--rounds",
-                 str(rounds), "--warmup", str(warmup), "--out", out],
-                cwd=common.ROOT, env=env, start_new_session=True,
-            ))
-        try:
-            deadline = time.monotonic() + timeout
-            for child in children:
-                if child.wait(timeout=max(0.1, deadline - time.monotonic())) != 0:
-                    raise RuntimeError(f"a rank exited with {child.returncode}")
-        finally:
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
+        commands = [[sys.executable, __file__, "--rank", str(rank), "--shape", json.dumps(shape), "--rounds",
+                     str(rounds), "--warmup", str(warmup), "--out", out] for rank in range(WORLD)]
+        # Large blocks straight from mmap and back on free: the resident set follows live tensors.
+        env = common.rank_environment(port, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        common.run_ranks(commands, env, timeout, "lm_pipeline")
         return dict(json.loads(Path(out).read_text()))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def report(shape: Dict[str, int], figures: Dict[str, Any]) -> Dict[str, Any]:

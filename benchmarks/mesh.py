@@ -125,14 +125,6 @@ _MARK = "@@mesh "
 # --- what runs in the processes ------------------------------------------------------------------------
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field} (memory on CPU needs Linux)")
-
-
 def _reset_peak() -> bool:
     """Resets VmHWM to the current resident size (Linux 4.0+); False where that is not allowed."""
     try:
@@ -231,7 +223,7 @@ class Trainer:
         gradients, gathered parameters, message buffers): None where the peak cannot be reset."""
         params = list(self.model.parameters())
         reset = _reset_peak()
-        start = _status("VmRSS")
+        start = common.proc_status_bytes("VmRSS")
         grads = 0
         for _ in range(2):
             self.forward_backward("plain")
@@ -239,7 +231,7 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad()
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
-        return {"transient_bytes": max(0, _status("VmHWM") - start) if reset else None,
+        return {"transient_bytes": max(0, common.proc_status_bytes("VmHWM") - start) if reset else None,
                 "params_bytes": _bytes(params), "grads_bytes": grads, "optimizer_bytes": _bytes(state)}
 
     def timeline(self, steps: int) -> Optional[Dict[str, Any]]:
@@ -392,7 +384,7 @@ class Group:
 
     def __init__(self, layout_key: Optional[str], workload: Workload, chunks: int, for_memory: bool = False) -> None:
         self.layout = None if layout_key is None else LAYOUTS[layout_key]
-        port = _free_port()
+        port = common.free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if for_memory:  # the resident set follows the live tensors (but every large tensor costs page faults)
             env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
@@ -431,14 +423,6 @@ class Group:
             except subprocess.TimeoutExpired:
                 pass
             process.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_model(name: str, workload: Workload, layouts: Sequence[str], rounds: int, chunks: int, timeline_steps: int,
