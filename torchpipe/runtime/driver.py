@@ -11,7 +11,10 @@ last backward, while the backward of other stages still runs, and waits for
 it at the end; tied parameters sum their copies' gradients there. A failed
 step calls :meth:`StageHooks.abort` instead of the end, on every worker and
 rank, so a hook can still do what its peers expect of it (a collective they
-already started) and leave nothing half done.
+already started) and leave nothing half done. Each hook's ``abort`` owes each
+collective of the step exactly once, whatever the hook did before the failure
+came (one more would pair with the peer's of the next step and hang it), and
+every hook's ``abort`` runs even if another's raises.
 
 One driver runs every step, whatever the transport: in one process the
 executor runs each worker's list on its thread with :func:`drive`; across
