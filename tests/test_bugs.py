@@ -5,7 +5,6 @@ Items numbered as in the trust issue (hangs, silent wrong results, leaks, compat
 import copy
 import gc
 import multiprocessing
-import signal
 import threading
 import time
 import traceback
@@ -226,36 +225,56 @@ def test_a_failing_partition_stops_the_others_at_once() -> None:
 # --- 5. Ctrl-C during backward -----------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(60)
-def test_ctrl_c_during_backward_returns_after_the_workers_stopped() -> None:
-    # The caller re-raised KeyboardInterrupt at once, and a worker still running its task wrote .grad half a
-    # second later, after the user's zero_grad().
-    class SlowBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Tensor) -> Tensor:
-            return x.clone()
+_CTRL_C = r"""
+import signal, threading, time
+import torch
+from torch import nn
+from torchpipe import GPipe
 
-        @staticmethod
-        def backward(ctx: Any, grad: Tensor) -> Tensor:
-            time.sleep(0.5)
-            return grad
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
 
-    class Slow(nn.Module):
-        def forward(self, x: Tensor) -> Tensor:
-            return SlowBackward.apply(x)  # type: ignore[no-any-return]
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.5)
+        return grad
 
-    model = cpu_gpipe(nn.Sequential(nn.Linear(4, 4), Slow(), nn.Linear(4, 4), Slow()), [2, 2], chunks=2)
-    out = model(torch.randn(4, 4))
-    main = threading.main_thread().ident
-    assert main is not None
-    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        out.sum().backward()
+class Slow(nn.Module):
+    def forward(self, x):
+        return SlowBackward.apply(x)
+
+model = GPipe(nn.Sequential(nn.Linear(4, 4), Slow(), nn.Linear(4, 4), Slow()), [2, 2], devices=["cpu", "cpu"],
+              chunks=2)
+out = model(torch.randn(4, 4))
+timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+timer.start()
+try:
+    out.sum().backward()
+    print("no KeyboardInterrupt")
+except KeyboardInterrupt:
     timer.join()
     model.zero_grad()
     time.sleep(1.0)
-    assert all(p.grad is None for p in model.parameters()), "a worker wrote gradients after Ctrl-C returned"
+    print("grads after return:", [p.grad is not None for p in model.parameters()])
+"""
+
+
+def test_ctrl_c_during_backward_returns_after_the_workers_stopped() -> None:
+    # The caller re-raised KeyboardInterrupt at once, and a worker still running its task wrote .grad half a
+    # second later, after the user's zero_grad(). Run in a fresh interpreter: a signal is the whole process's
+    # state, and in the full suite a SIGINT aimed at the main thread was once not seen within the backward.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _CTRL_C], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "grads after return: [False, False, False, False]", (
+        "a worker wrote gradients after Ctrl-C returned (or no KeyboardInterrupt): " + done.stdout
+    )
 
 
 # --- 6. an in-place first layer of a checkpointed partition ---------------------------------------------
