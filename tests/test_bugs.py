@@ -73,6 +73,10 @@ def _in_child(fn: Callable[[], float]) -> float:
     parent, child = context.Pipe()
 
     def target() -> None:
+        # One intra-op thread in the child: GNU OpenMP is not fork-safe, and a child of a parent whose OpenMP
+        # pool had run crashed in a Linear's parallel kernel (seen once under ATEN_CPU_CAPABILITY=default).
+        # What is tested here is torchpipe's own threads, which every thread count exercises.
+        torch.set_num_threads(1)
         try:
             child.send(("ok", fn()))
         except BaseException as exc:  # noqa: B036 - reported to the parent
