@@ -145,6 +145,38 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     return report
 
 
+def receiving_thread_bug(rank: int, world: int) -> Dict[str, Any]:
+    """Rank 1's receiving thread meets an error of a kind it does not expect (a bug, say a TypeError in
+    decoding a header) in the second step; every rank reports what it raised and when."""
+    from torchpipe.distributed import wire
+
+    decode = wire.decode
+    armed = {"on": False}
+
+    def buggy_decode(header: Tensor) -> Any:
+        if armed["on"]:
+            raise TypeError("a bug in the receiving thread")
+        return decode(header)
+
+    wire.decode = buggy_decode  # type: ignore[assignment]
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]), [2, 2], chunks=4, loss_fn=mse,
+                    group=dist.group.WORLD)
+    x = torch.randn(8, 6)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    armed["on"] = rank == 1
+    report: Dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+        report["raised"] = None
+    except BaseException as exc:  # noqa: B036 - reported to the test
+        report["raised"] = type(exc).__name__
+        report["message"] = str(exc)
+    report["seconds"] = time.monotonic() - start
+    return report
+
+
 def interleaved_with_four_stages_per_rank(rank: int, world: int) -> bool:
     """8 stages on 2 ranks: each rank runs 4, and the loss is the plain module's."""
     torch.manual_seed(0)

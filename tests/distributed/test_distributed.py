@@ -65,6 +65,19 @@ def test_a_rank_that_dies_makes_the_others_raise() -> None:
     assert time.monotonic() - start < 60
 
 
+def test_an_unexpected_error_in_a_receiving_thread_ends_the_step_on_every_rank() -> None:
+    # Story: while making the receiving threads post several messages ahead, a bug in the thread (an
+    # AttributeError) left it dead and the mailbox empty: the rank waited for a message forever and its
+    # peer with it. The thread only handled the errors of a dead peer (RuntimeError) and of a foreign header
+    # (ValueError). Any error of the thread now fails the step, on every rank, naming it. (After a bug the
+    # pair's messages may be out of step, as after a dead rank: the job is to be restarted.)
+    reports = ok(launch("tests.distributed.ranks:receiving_thread_bug", 2, timeout=120))
+    for report in reports:
+        assert report["raised"] == "PipelineError", report
+        assert "receiving thread" in report["message"] and "TypeError" in report["message"], report["message"]
+        assert report["seconds"] < 15, report
+
+
 def test_ranks_that_disagree_on_the_mode_both_raise() -> None:
     reports = ok(launch("tests.distributed.ranks:mismatched_modes", 2))
     assert reports[1].startswith("ValueError") and "same mode" in reports[1]

@@ -144,6 +144,7 @@ def _start(
     first = runner.stage_workers[0]
     inputs: Tuple[Tensor, ...] = ()
     batches: List[Optional[Batch]]
+    mine: List[float] = []
     if rank == first:
         try:
             if input is None:
@@ -156,11 +157,16 @@ def _start(
             channel.fail(sequence, f"rank {_who(channel)} could not split its input: {type(exc).__name__}: {exc}")
             raise
         sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
-        channel.publish(sequence, "start", [float(len(split)), float(training)] + sizes)
+        mine = [float(len(split)), float(training)] + sizes
+        channel.publish(sequence, "start", mine)
         batches = list(split)
-    # Every replica's shape: this one's to run, the others' for the total number of samples.
+    # Every replica's shape: this one's to run, the others' for the total number of samples (what this rank
+    # published it knows without a trip to the store).
     replicas = range(channel.replicas) if channel.replicas > 1 else [channel.replica]
-    shapes = {r: channel.wait_for(sequence, "start", replica=r) for r in replicas}
+    shapes = {
+        r: mine if rank == first and r == channel.replica else channel.wait_for(sequence, "start", replica=r)
+        for r in replicas
+    }
     for r, values in shapes.items():
         if bool(values[1]) != training:
             where = f"rank {first}, the first stage's" + (f", of replica {r}" if channel.replicas > 1 else "")

@@ -4,12 +4,19 @@
 messages each other rank will send it in a step, and in which order: a rank
 sends, action by action down its list, a forward's skips (in the layout's
 order) then its activation, and a backward's skip gradients then its input
-gradient. For each peer a receiving thread posts, ahead of need, the
-receives of exactly those messages in exactly that order (a header, then the
-tensors it announces), and leaves each message in the step's mailbox, where
-the stage's action takes it. Each message has tags of its own (its position
-in the pair's order), and both sides issue a pair's operations in the same
-order, as NCCL needs.
+gradient. For each peer a receiving thread posts the receives of exactly
+those messages in exactly that order (a header, then the tensors it
+announces), :data:`AHEAD` messages ahead of the one it waits for (one over
+NCCL), and leaves each message in the step's mailbox, where the stage's
+action takes it. Each message has tags of its own (its position in the
+pair's order), and both sides issue a pair's operations in the same order,
+as NCCL needs.
+
+Posting ahead is what makes a message cheap: gloo moves a message only once
+its receive is posted, so a receive posted after its send costs the pair
+another trip between the ranks. The window is fixed, so the buffers
+allocated ahead stay few whatever the number of micro-batches (at most
+:data:`AHEAD` messages' tensors per peer).
 
 [Note: expected layouts] Waiting for a header before posting the receives
 of its tensors would cost every message a second trip between the ranks. So
@@ -23,20 +30,36 @@ drops, then the real ones, which it receives into new buffers of the
 header's layout. A stale shape is never used; both ends update their memory
 from the same message, so they stay in step.
 
+[Note: packed messages] Where the tensors travel over gloo, as the header
+does (on CPU), a message is one buffer: its header, then its tensors' bytes,
+each at an aligned offset (:func:`wire.pack`); the receiver posts one
+receive of the remembered layout's size and takes the tensors as views of
+it. One send and one receive per message instead of one per tensor more:
+each gloo operation costs the two processes' threads a round of wake-ups,
+which on a machine with few cores is most of a small message's cost. When
+the layout changed, the packed buffer carries only the header (and unused
+bytes of the old size) and the tensors follow one by one, as in [Note:
+expected layouts]. Over NCCL the header goes over gloo and the tensors over
+NCCL, separately.
+
 [Note: abort messages] When a rank's step fails (or it learns from the store
-that another rank's did), it sends each peer, in place of the next message it
-owed it, a header that says "abort" (with tensors of that message's
-remembered layout, which the peer posted receives for). The peer's receiving
-thread, waiting for exactly that message, ends; everything sent before was received. So after a
-failure seen by every rank no receive is left pending, and the pipeline's
-process groups are as good as new for the next step. Only a rank that died
-leaves its connections closed: its peers' receives fail at once (that is how
-its death is noticed), and the job has to be restarted.
+that another rank's did), it sends each peer, in place of the messages it
+still owed it, as many headers that say "abort" as the peer has posted
+receives for (:data:`AHEAD`, or fewer at the end of the step), each with
+tensors of its message's remembered layout. The peer's receiving thread, at
+the first abort, takes the others (they are on their way) and ends;
+everything sent before was received. So after a failure seen by every rank
+no receive is left pending, and the pipeline's process groups are as good as
+new for the next step. Only a rank that died (or a receiving thread that met
+an error it does not expect, a bug) leaves its pairs out of step: the peers'
+receives fail at once, or the step fails naming the error, and the job has
+to be restarted.
 """
+import collections
 import datetime
 import threading
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -48,7 +71,13 @@ from torchpipe.runtime.transport import Edge, EdgeKind, Mailbox, Message, sends
 from torchpipe.schedule import Schedule
 from torchpipe.skip.layout import SkipLayout
 
-__all__ = ["DistributedTransport", "message_orders"]
+__all__ = ["DistributedTransport", "message_orders", "AHEAD"]
+
+#: How many messages a receiving thread keeps its receives posted for: the one it waits for and those after
+#: it (see [Note: message order]); a failed rank sends that many aborts. Over NCCL, one: NCCL pairs a
+#: pair's operations by their order, not their tags, and a message whose layout changed posts its real
+#: receives after its header came, so nothing may be posted between.
+AHEAD = 8
 
 #: Tags: a step's messages between a pair are numbered from 0; each takes two tags (header, tensors).
 _TAGS_PER_STEP = 1 << 20  # x2 tags per message, x512 steps: below 2**31
@@ -66,8 +95,12 @@ def message_orders(schedule: Schedule, layout: SkipLayout) -> Dict[Tuple[int, in
     return orders
 
 
-#: A message's layout: the dtype and shape of each tensor it carries (absent ones left out).
-_Layout = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
+_Layout = wire.Layout
+
+
+#: A message's receives as posted: the header's buffer and work, the layout guessed, and the tensors' buffers
+#: and works.
+_Posted = Tuple[Tensor, Any, _Layout, List[Tuple[Tensor, Any]]]
 
 
 def _layout(tensors: Sequence[Tensor]) -> _Layout:
@@ -121,6 +154,10 @@ class DistributedTransport:
         self._sent = {peer: 0 for peer in self._outgoing}
         #: Sends in flight: the peer, the works, and the tensors they read (kept alive until they end).
         self._pending: List[Tuple[int, List[Any], List[Tensor]]] = []
+        #: See AHEAD; the same on every rank (every rank's device is of the same type).
+        self._ahead = 1 if channel.device.type == "cuda" else AHEAD
+        #: Whether messages travel packed (see [Note: packed messages]): where tensors and headers share gloo.
+        self._packed = channel.device.type != "cuda"
         self._threads = [
             threading.Thread(
                 target=self._receive, args=(peer, edges), name=f"torchpipe-recv-{peer}-to-{self.rank}", daemon=True
@@ -182,6 +219,13 @@ class DistributedTransport:
     ) -> Tuple[List[Any], List[Tensor]]:
         """Sends message ``k``'s header and tensors to ``peer`` (see [Note: expected layouts]); the works, and
         the tensors to keep alive until they end."""
+        if self._packed:  # one buffer: the header, then the tensors (see [Note: packed messages])
+            sent = [wire.pack(header, tensors if layout == expected else None, expected)]
+            works = [self.channel.control.send(sent, peer, self._tag(k, 0))]
+            if layout != expected:
+                sent += tensors
+                works += [self.channel.data.send([tensor], peer, self._tag(k, 1)) for tensor in tensors]
+            return works, sent
         sent = [header]
         works = [self.channel.control.send([header], peer, self._tag(k, 0))]
         if layout != expected:  # the peer posted receives of the old layout: fill them first
@@ -234,17 +278,18 @@ class DistributedTransport:
         self.abort()
         for peer, edges in self._outgoing.items():
             k = self._sent[peer]
-            if k < len(edges):
-                self._sent[peer] = len(edges)
-                edge = edges[k]
+            self._sent[peer] = len(edges)
+            # The peer has posted the receives of messages k to k + ahead - 1 (see [Note: abort messages]).
+            for j in range(k, min(k + self._ahead, len(edges))):
+                edge = edges[j]
                 expected = self.channel.layouts.get((self.rank, peer, edge), ())
                 try:
                     works, kept = self._post_send(
-                        peer, k, wire.encode(wire.Kind.ABORT), expected, (), [], self.devices[edge.source]
+                        peer, j, wire.encode(wire.Kind.ABORT), expected, (), [], self.devices[edge.source]
                     )
                     self._pending.append((peer, works, kept))
                 except RuntimeError:  # the peer died: it expects nothing any more
-                    pass
+                    break
         deadline = time.monotonic() + 10.0
         for _, works, _ in self._pending:
             for work in works:
@@ -264,27 +309,35 @@ class DistributedTransport:
         return self._base + 2 * k + part
 
     def _receive(self, peer: int, edges: List[Edge]) -> None:
-        """The receiving thread for ``peer``: posts its messages' receives in order (see [Note: message order])."""
+        """The receiving thread for ``peer``: keeps the receives of its next :data:`AHEAD` messages posted, in
+        order, and leaves each message in the mailbox (see [Note: message order])."""
         if self.devices and self.devices[0].type == "cuda":
             torch.cuda.set_device(self.devices[0])  # this thread's current device, for NCCL's receives
+        posted: Deque[_Posted] = collections.deque()
         try:
+            for k in range(min(self._ahead, len(edges))):
+                posted.append(self._post_message(peer, k, edges[k]))
             for k, edge in enumerate(edges):
-                key = (peer, self.rank, edge)
-                device = self.devices[edge.target]
-                header = torch.empty(wire.HEADER_LENGTH, dtype=torch.int64)
-                header_work = self.channel.control.recv([header], peer, self._tag(k, 0))
-                expected = self.channel.layouts.get(key, ())
-                guessed = self._post_receives(peer, k, expected, device)
+                header, header_work, expected, guessed = posted.popleft()
                 header_work.wait()
+                packed: List[Tensor] = []
+                if self._packed:
+                    header, packed = wire.unpack(header, expected)
                 decoded = wire.decode(header)
-                present = [(dtype, shape) for dtype, _, shape in filter(None, decoded.tensors)]
-                layout = tuple(present) if decoded.kind is not wire.Kind.ABORT else expected
-                received = _wait_all(guessed)
-                if layout != expected:  # what came were fillers (see [Note: expected layouts])
-                    received = _wait_all(self._post_receives(peer, k, layout, device))
                 if decoded.kind is wire.Kind.ABORT:
+                    _wait_all(guessed)
+                    for _, later_header, _, later_guessed in posted:  # aborts too, on their way
+                        later_header.wait()
+                        _wait_all(later_guessed)
                     self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
                     return
+                if k + self._ahead < len(edges):
+                    posted.append(self._post_message(peer, k + self._ahead, edges[k + self._ahead]))
+                key = (peer, self.rank, edge)
+                layout = tuple((dtype, shape) for dtype, _, shape in filter(None, decoded.tensors))
+                received = _wait_all(guessed) if not self._packed else packed
+                if layout != expected:  # what came were fillers (see [Note: expected layouts])
+                    received = _wait_all(self._post_receives(peer, k, layout, self.devices[edge.target]))
                 self.channel.layouts[key] = layout
                 if decoded.kind is wire.Kind.NOT_STASHED:
                     self.mailbox.put(edge, Message([], (), True))
@@ -300,6 +353,21 @@ class DistributedTransport:
             ))
         except ValueError as exc:  # a header that is not one: the ranks run different schedules
             self._put_failure(_PeerFailed(f"rank {self.rank}, receiving from rank {peer}: {exc}", died=True))
+        except BaseException as exc:  # a bug here: the step must still end, on every rank, and say why
+            self._put_failure(_PeerFailed(
+                f"rank {self.rank}'s receiving thread for rank {peer} failed: {type(exc).__name__}: {exc}", died=True
+            ))
+
+    def _post_message(self, peer: int, k: int, edge: Edge) -> "_Posted":
+        """Posts the receives of message ``k`` from ``peer``: its header's, and its tensors' of the layout the
+        message had the last time it crossed (see [Note: expected layouts])."""
+        expected = self.channel.layouts.get((peer, self.rank, edge), ())
+        if self._packed:
+            buffer = torch.empty(wire.packed_bytes(expected), dtype=torch.uint8)
+            return buffer, self.channel.control.recv([buffer], peer, self._tag(k, 0)), expected, []
+        header = torch.empty(wire.HEADER_LENGTH, dtype=torch.int64)
+        header_work = self.channel.control.recv([header], peer, self._tag(k, 0))
+        return header, header_work, expected, self._post_receives(peer, k, expected, self.devices[edge.target])
 
     def _post_receives(
         self, peer: int, k: int, layout: "_Layout", device: torch.device

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["HEADER_LENGTH", "Kind", "Header", "encode", "decode", "DTYPES"]
+__all__ = ["HEADER_LENGTH", "Kind", "Header", "encode", "decode", "DTYPES", "Layout", "pack", "unpack", "packed_bytes"]
 
 #: int64 entries in a header.
 HEADER_LENGTH = 256
@@ -27,6 +27,7 @@ DTYPES: Tuple[torch.dtype, ...] = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+_SIZES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES}
 _MAGIC = 0x70697065  # "pipe"
 
 
@@ -106,3 +107,56 @@ def decode(header: Tensor) -> Header:
         tensors.append((DTYPES[code], bool(flag), shape))
         position += 4 + ndim
     return Header(kind, atomic, tensors)
+
+
+#: A message's layout: the dtype and shape of each tensor it carries (absent ones left out).
+Layout = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
+
+#: Where a packed message's tensors start: on this boundary (a multiple of every dtype's size).
+_ALIGN = 64
+
+
+def _extents(layout: Layout) -> Tuple[List[Tuple[int, int]], int]:
+    """Each tensor's (start, bytes) in a packed message of ``layout``, and the message's total bytes."""
+    extents = []
+    position = HEADER_LENGTH * 8
+    for dtype, shape in layout:
+        position = -(-position // _ALIGN) * _ALIGN
+        size = _numel(shape) * _SIZES[dtype]
+        extents.append((position, size))
+        position += size
+    return extents, position
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def packed_bytes(layout: Layout) -> int:
+    """The size of a packed message of ``layout``, header included."""
+    return _extents(layout)[1]
+
+
+def pack(header: Tensor, tensors: Optional[Sequence[Tensor]], layout: Layout) -> Tensor:
+    """One byte buffer that carries ``header`` and then ``tensors`` (of ``layout``) on CPU, for one send in
+    place of one per tensor (see [Note: packed messages] in ``distributed/transport.py``). With ``tensors``
+    None the tensors' bytes are left as they are: a filler of that layout's size."""
+    extents, total = _extents(layout)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    buffer[: HEADER_LENGTH * 8].view(torch.int64).copy_(header)
+    if tensors is not None:
+        for tensor, (start, size) in zip(tensors, extents):
+            buffer[start : start + size].copy_(tensor.reshape(-1).view(torch.uint8))
+    return buffer
+
+
+def unpack(buffer: Tensor, layout: Layout) -> Tuple[Tensor, List[Tensor]]:
+    """The header and the tensors (of ``layout``) of a packed message: views of ``buffer``, no copies."""
+    extents, _ = _extents(layout)
+    tensors = [
+        buffer[start : start + size].view(dtype).view(shape) for (dtype, shape), (start, size) in zip(layout, extents)
+    ]
+    return buffer[: HEADER_LENGTH * 8].view(torch.int64), tensors
