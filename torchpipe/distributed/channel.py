@@ -201,20 +201,25 @@ class Channel:
         (before looking for the keys; after, with ``keys_first``: what is there is taken even if the step
         failed since).
 
-        It looks often at first, then every few milliseconds (the store's own
-        timed wait would do, but logs a warning each time it times out).
+        It looks for the keys often at first, then every few milliseconds (the
+        store's own timed wait would do, but logs a warning each time it times
+        out), and for a failure at most every ``POLL_SECONDS`` (each look is a
+        trip to the store, whose host is one of the ranks at work).
         """
         pause = 0.0002
+        looked = -POLL_SECONDS if not keys_first else time.monotonic()
         while True:
-            if not keys_first:
+            if not keys_first and time.monotonic() - looked >= POLL_SECONDS:
                 self.raise_failure(sequence)
+                looked = time.monotonic()
             try:
                 if self.store.check(keys):
                     return
             except RuntimeError as exc:
                 raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
-            if keys_first:
+            if keys_first and time.monotonic() - looked >= POLL_SECONDS:
                 self.raise_failure(sequence)
+                looked = time.monotonic()
             time.sleep(pause)
             pause = min(pause * 2, self._longest_pause)
 
