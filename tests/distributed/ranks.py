@@ -118,6 +118,19 @@ class Fails(nn.Module):
         return x
 
 
+def _failing_step(pipe: Pipeline, x: Tensor, rank: int, world: int) -> Dict[str, Any]:
+    """One step with ``x`` as input and target: what it raised (type and message) and how long it took."""
+    report: Dict[str, Any] = {"raised": None}
+    start = time.monotonic()
+    try:
+        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    except BaseException as exc:  # noqa: B036 - reported to the test
+        report["raised"] = type(exc).__name__
+        report["message"] = str(exc)
+    report["seconds"] = time.monotonic() - start
+    return report
+
+
 def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     """Rank 1's layer fails in a step; every rank reports what it raised and when, then runs another step."""
     fails = Fails(how)
@@ -129,15 +142,7 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     x = torch.randn(8, 6)
     pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     fails.armed = rank == 1
-    report: Dict[str, Any] = {}
-    start = time.monotonic()
-    try:
-        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
-        report["raised"] = None
-    except BaseException as exc:  # noqa: B036 - reported to the test
-        report["raised"] = type(exc).__name__
-        report["message"] = str(exc)
-    report["seconds"] = time.monotonic() - start
+    report = _failing_step(pipe, x, rank, world)
     fails.armed = False
     pipe.zero_grad()
     loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
@@ -165,15 +170,7 @@ def receiving_thread_bug(rank: int, world: int) -> Dict[str, Any]:
     x = torch.randn(8, 6)
     pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     armed["on"] = rank == 1
-    report: Dict[str, Any] = {}
-    start = time.monotonic()
-    try:
-        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
-        report["raised"] = None
-    except BaseException as exc:  # noqa: B036 - reported to the test
-        report["raised"] = type(exc).__name__
-        report["message"] = str(exc)
-    report["seconds"] = time.monotonic() - start
+    report = _failing_step(pipe, x, rank, world)
     return report
 
 
