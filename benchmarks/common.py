@@ -131,19 +131,31 @@ def train_step(model: nn.Module, input: Union[Tensor, Tuple[Tensor, ...]]) -> St
     return step
 
 
-def microbatched_train_step(model: nn.Module, input: Union[Tensor, Tuple[Tensor, ...]], chunks: int) -> Step:
+def microbatched_train_step(
+    model: nn.Module,
+    input: Union[Tensor, Tuple[Tensor, ...]],
+    chunks: int,
+    *,
+    target: Optional[Tensor] = None,
+    loss_fn: Optional[Callable[[Any, Tensor], Tensor]] = None,
+) -> Step:
     """The micro-batched ideal's yardstick: the plain module's training step on the mini-batch cut into
     ``chunks`` micro-batches, run one after another on the calling thread (each micro-batch's loss weighed by
     its share, so the gradients are the whole batch's). A pipeline can at best overlap these micro-batches;
-    cutting the batch alone already costs what smaller kernels lose."""
+    cutting the batch alone already costs what smaller kernels lose.
+
+    The loss is :func:`train_step`'s (the output's mean), or ``loss_fn(output, target)`` on the target's
+    matching micro-batch (a mean-reduced loss)."""
     inputs = (input,) if isinstance(input, Tensor) else tuple(input)
     parts = list(zip(*(x.chunk(chunks) for x in inputs)))
+    targets: List[Optional[Tensor]] = list(target.chunk(chunks)) if target is not None else [None] * len(parts)
     total = inputs[0].size(0)
 
     def step() -> None:
-        for part in parts:
+        for part, part_target in zip(parts, targets):
             output = model(part[0] if isinstance(input, Tensor) else part)
-            (_loss(output) * (part[0].size(0) / total)).backward()  # type: ignore[no-untyped-call]
+            loss = _loss(output) if loss_fn is None or part_target is None else loss_fn(output, part_target)
+            (loss * (part[0].size(0) / total)).backward()  # type: ignore[no-untyped-call]
         for p in model.parameters():
             p.grad = None
 

@@ -118,11 +118,7 @@ def rank_main(
         for p in plain.parameters():
             p.grad = None
 
-    def hand_step() -> None:  # the same micro-batches through the plain module, one after another
-        for part_x, part_y in zip(x.chunk(CHUNKS), y.chunk(CHUNKS)):
-            (loss_fn(plain(part_x), part_y) * (part_x.size(0) / batch)).backward()
-        for p in plain.parameters():
-            p.grad = None
+    hand_step = common.microbatched_train_step(plain, x, CHUNKS, target=y, loss_fn=loss_fn)
 
     if rank == 0:
         plain_step()

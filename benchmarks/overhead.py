@@ -71,31 +71,15 @@ def build(kind: str, balance: List[int], chunks: int, checkpoint: str) -> Option
     return torchgpipe.GPipe(model, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
 
 
-def by_hand(model: nn.Module, x: torch.Tensor, chunks: int) -> common.Step:
-    """The plain module on the same micro-batches, one after another (the micro-batched ideal's yardstick)."""
-
-    def step() -> None:
-        for part in x.chunk(chunks):
-            model(part).sum().backward()
-        for p in model.parameters():
-            p.grad = None
-
-    return step
-
-
-def ideal(partitions: int, chunks: int) -> float:
-    """The pipeline's best step time against its micro-batches run by hand: (m + p - 1) / (m p)."""
-    return (chunks + partitions - 1) / (chunks * partitions)
-
-
 def fixed_cost_per_task(rounds: int) -> float:
     """Microseconds each task of a GPipe step costs beyond its layers' work (2 partitions, 32 micro-batches)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     x = torch.randn(32, 4)
     piped = torchpipe.GPipe(model, [1, 1], devices=["cpu", "cpu"], chunks=32, checkpoint="never")
-    _, hand_s = ratio(by_hand(model, x, 32), by_hand(model, x, 32), rounds)
-    relative, _ = ratio(by_hand(model, x, 32), train_step(piped, x), rounds)
+    by_hand = common.microbatched_train_step(model, x, 32)
+    _, hand_s = ratio(by_hand, common.microbatched_train_step(model, x, 32), rounds)
+    relative, _ = ratio(by_hand, train_step(piped, x), rounds)
     tasks = 2 * 32 * 2
     return (relative - 1.0) * hand_s / tasks * 1e6
 
@@ -120,11 +104,11 @@ def main() -> None:
         row: Dict[str, float] = {}
         ours = build("torchpipe", balance, chunks, checkpoint)
         assert ours is not None
-        hand = by_hand(reference, x, chunks)
+        hand = common.microbatched_train_step(reference, x, chunks)
         row["plain"], row["plain_s"] = ratio(plain, train_step(ours, x), args.rounds)
         row["hand"], row["hand_s"] = ratio(hand, train_step(ours, x), args.rounds) if chunks > 1 else \
             (row["plain"], row["plain_s"])
-        row["ideal"] = ideal(len(balance), chunks)
+        row["ideal"] = common.pipeline_ideal(len(balance), chunks)
         theirs = build("torchgpipe", balance, chunks, checkpoint)
         if theirs is not None:
             row["torchgpipe"], _ = ratio(hand, train_step(theirs, x), args.rounds)
@@ -138,11 +122,12 @@ def main() -> None:
           f" / (m p) of by hand; the plain step takes {results[CONFIGS[0][0]]['plain_s'] * 1e3:.0f} ms, 8"
           f" micro-batches by hand {by_hand_8:.2f}x that)")
     # What the two cores allow now: the two halves of the 8 micro-batches on two bare threads at once.
-    halves = [by_hand(copy.deepcopy(reference), half, 4) for half in x.chunk(2)]
+    halves = [common.microbatched_train_step(copy.deepcopy(reference), half, 4) for half in x.chunk(2)]
     two_threads = common.two_thread_ratio(halves[0], halves[1], rounds=args.rounds)
+    ideal = common.pipeline_ideal(2, 8)
     print(f"two bare threads, each with half of the 8 micro-batches: {two_threads:.3f} of the time on one thread "
           f"(two free cores: 0.500); so a 2-partition pipeline's best here now is {two_threads:.3f} x 2 x "
-          f"{ideal(2, 8):.4f} = {two_threads * 2 * ideal(2, 8):.3f} of the micro-batches by hand")
+          f"{ideal:.4f} = {two_threads * 2 * ideal:.3f} of the micro-batches by hand")
     per_task = fixed_cost_per_task(args.rounds)
     print(f"fixed cost per task (2 partitions x 32 micro-batches of a model whose layers cost nothing): "
           f"{per_task:.0f} us")

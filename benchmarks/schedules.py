@@ -89,15 +89,7 @@ def plain_step(name: str) -> common.Step:
 def by_hand_step(name: str, chunks: int) -> common.Step:
     """The plain module run micro-batch by micro-batch on one thread: what micro-batching alone costs here."""
     module, x, y = workload(name)
-
-    def step() -> None:
-        pieces = list(zip(x.chunk(chunks), y.chunk(chunks)))
-        for xi, yi in pieces:
-            (nn.functional.mse_loss(module(xi), yi) * (len(xi) / len(x))).backward()
-        for p in module.parameters():
-            p.grad = None
-
-    return step
+    return common.microbatched_train_step(module, x, chunks, target=y, loss_fn=nn.functional.mse_loss)
 
 
 def pipe_step(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> common.Step:

@@ -331,8 +331,6 @@ class DistributedTransport:
                         _wait_all(later_guessed)
                     self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
                     return
-                if k + self._ahead < len(edges):
-                    posted.append(self._post_message(peer, k + self._ahead, edges[k + self._ahead]))
                 key = (peer, self.rank, edge)
                 layout = tuple((dtype, shape) for dtype, _, shape in filter(None, decoded.tensors))
                 received = _wait_all(guessed) if not self._packed else packed
@@ -341,11 +339,15 @@ class DistributedTransport:
                 self.channel.layouts[key] = layout
                 if decoded.kind is wire.Kind.NOT_STASHED:
                     self.mailbox.put(edge, Message([], (), True))
-                    continue
-                values = iter(received)
-                tensors = [None if meta is None else next(values) for meta in decoded.tensors]
-                flags = tuple(meta is not None and meta[1] for meta in decoded.tensors)
-                self.mailbox.put(edge, Message(tensors, flags, decoded.atomic))
+                else:
+                    values = iter(received)
+                    tensors = [None if meta is None else next(values) for meta in decoded.tensors]
+                    flags = tuple(meta is not None and meta[1] for meta in decoded.tensors)
+                    self.mailbox.put(edge, Message(tensors, flags, decoded.atomic))
+                # Only now the next message's receives: over NCCL nothing may be posted between this message's
+                # fillers and its real tensors (and its stage need not wait for the posting).
+                if k + self._ahead < len(edges):
+                    posted.append(self._post_message(peer, k + self._ahead, edges[k + self._ahead]))
         except RuntimeError as exc:
             self._put_failure(_PeerFailed(
                 f"rank {peer} died or closed its connection while rank {self.rank} waited for its "
