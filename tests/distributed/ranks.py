@@ -170,8 +170,7 @@ def receiving_thread_bug(rank: int, world: int) -> Dict[str, Any]:
     x = torch.randn(8, 6)
     pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     armed["on"] = rank == 1
-    report = _failing_step(pipe, x, rank, world)
-    return report
+    return _failing_step(pipe, x, rank, world)
 
 
 def interleaved_with_four_stages_per_rank(rank: int, world: int) -> bool:

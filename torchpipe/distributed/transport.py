@@ -95,15 +95,12 @@ def message_orders(schedule: Schedule, layout: SkipLayout) -> Dict[Tuple[int, in
     return orders
 
 
-_Layout = wire.Layout
-
-
 #: A message's receives as posted: the header's buffer and work, the layout guessed, and the tensors' buffers
 #: and works.
-_Posted = Tuple[Tensor, Any, _Layout, List[Tuple[Tensor, Any]]]
+_Posted = Tuple[Tensor, Any, wire.Layout, List[Tuple[Tensor, Any]]]
 
 
-def _layout(tensors: Sequence[Tensor]) -> _Layout:
+def _layout(tensors: Sequence[Tensor]) -> wire.Layout:
     return tuple((t.dtype, tuple(t.shape)) for t in tensors)
 
 
@@ -154,10 +151,10 @@ class DistributedTransport:
         self._sent = {peer: 0 for peer in self._outgoing}
         #: Sends in flight: the peer, the works, and the tensors they read (kept alive until they end).
         self._pending: List[Tuple[int, List[Any], List[Tensor]]] = []
-        #: See AHEAD; the same on every rank (every rank's device is of the same type).
-        self._ahead = 1 if channel.device.type == "cuda" else AHEAD
-        #: Whether messages travel packed (see [Note: packed messages]): where tensors and headers share gloo.
+        #: Whether messages travel packed (see [Note: packed messages]): where tensors and headers share gloo,
+        #: which is also where receives may be posted AHEAD (over NCCL, one). The same on every rank.
         self._packed = channel.device.type != "cuda"
+        self._ahead = AHEAD if self._packed else 1
         self._threads = [
             threading.Thread(
                 target=self._receive, args=(peer, edges), name=f"torchpipe-recv-{peer}-to-{self.rank}", daemon=True
@@ -214,7 +211,7 @@ class DistributedTransport:
         self._pending.append((peer, works, kept))
 
     def _post_send(
-        self, peer: int, k: int, header: Tensor, expected: "_Layout", layout: "_Layout", tensors: List[Tensor],
+        self, peer: int, k: int, header: Tensor, expected: wire.Layout, layout: wire.Layout, tensors: List[Tensor],
         device: torch.device,
     ) -> Tuple[List[Any], List[Tensor]]:
         """Sends message ``k``'s header and tensors to ``peer`` (see [Note: expected layouts]); the works, and
@@ -372,7 +369,7 @@ class DistributedTransport:
         return header, header_work, expected, self._post_receives(peer, k, expected, self.devices[edge.target])
 
     def _post_receives(
-        self, peer: int, k: int, layout: "_Layout", device: torch.device
+        self, peer: int, k: int, layout: wire.Layout, device: torch.device
     ) -> List[Tuple[Tensor, Any]]:
         """Posts the receives of message ``k``'s tensors, of ``layout``; each buffer with its work."""
         posted = []

@@ -11,6 +11,8 @@ received into a stale buffer (see [Note: expected layouts] in
 ``distributed/transport.py``).
 """
 import enum
+import functools
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -116,23 +118,18 @@ Layout = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
 _ALIGN = 64
 
 
-def _extents(layout: Layout) -> Tuple[List[Tuple[int, int]], int]:
-    """Each tensor's (start, bytes) in a packed message of ``layout``, and the message's total bytes."""
+@functools.lru_cache(maxsize=1024)
+def _extents(layout: Layout) -> Tuple[Tuple[Tuple[int, int], ...], int]:
+    """Each tensor's (start, bytes) in a packed message of ``layout``, and the message's total bytes (a
+    message's layout seldom changes between steps: computed once per layout, on both ends)."""
     extents = []
     position = HEADER_LENGTH * 8
     for dtype, shape in layout:
         position = -(-position // _ALIGN) * _ALIGN
-        size = _numel(shape) * _SIZES[dtype]
+        size = math.prod(shape) * _SIZES[dtype]
         extents.append((position, size))
         position += size
-    return extents, position
-
-
-def _numel(shape: Tuple[int, ...]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
+    return tuple(extents), position
 
 
 def packed_bytes(layout: Layout) -> int:
