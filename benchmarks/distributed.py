@@ -10,7 +10,10 @@ pipelined step alternate in rounds (barriers between them). The speed-up is
 the median over rounds of ``plain step time / pipelined step time``; *of
 ideal* is the median of ``ideal / pipelined step time``, where the ideal is
 the by-hand time times (m + p - 1) / (m p) = 9/16 (two ranks computing at once,
-less the bubble), that is a speed-up of 2 x 8/9 x plain/by hand. Also: the time from starting the
+less the bubble), that is a speed-up of 2 x 8/9 x plain/by hand. *Two processes* is what the machine
+allows: each rank runs the by-hand micro-batches through one half of the model (a stage's work) at the same
+time, over rank 0 running both halves one after the other (0.5 on two free cores); a pipeline's best *of
+ideal* on this machine is then 0.5 / that ratio (the *machine line*). Also: the time from starting the
 processes to the end of the first step, per library, and the fixed cost of a
 step (a 2x8 MLP, batch 8: the messages of 8 micro-batches with next to no
 computing).
@@ -50,8 +53,8 @@ CONFIGS = [("torchpipe", "gpipe"), ("torchpipe", "1f1b"), ("pipelining", "Schedu
            ("pipelining", "Schedule1F1B")]
 #: Issue 18's goals: the fraction of the micro-batched ideal, per batch.
 GOALS = {256: 0.80, 1024: 0.90}
-HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "goal", "step ms", "plain ms", "by hand ms",
-           "start to 1st step s"]
+HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine line", "goal", "step ms", "plain ms",
+           "by hand ms", "two processes", "start to 1st step s"]
 #: The model and batch that measure what a step costs by itself.
 FIXED_LAYERS, FIXED_WIDTH, FIXED_BATCH = 2, 8, 8
 
@@ -119,15 +122,21 @@ def rank_main(
             p.grad = None
 
     hand_step = common.microbatched_train_step(plain, x, CHUNKS, target=y, loss_fn=loss_fn)
+    # A stage's share of the by-hand work (both halves have the same shape): the machine line's yardstick.
+    half_step = common.microbatched_train_step(
+        nn.Sequential(*list(plain.children())[: len(plain) // 2]), x, CHUNKS, target=y, loss_fn=loss_fn
+    )
 
     if rank == 0:
         plain_step()
         hand_step()
+    half_step()
     ratios: List[float] = []
     of_ideal: List[float] = []
     plain_times: List[float] = []
     hand_times: List[float] = []
     pipe_times: List[float] = []
+    two_processes: List[float] = []
     ideal = (CHUNKS + WORLD - 1) / (CHUNKS * WORLD)
     for _ in range(rounds):
         dist.barrier()
@@ -143,7 +152,18 @@ def rank_main(
         runner.step(x, y)
         pipe_times.append(time.perf_counter() - start)
         dist.barrier()
+        if rank == 0:  # both halves one after the other, then each rank its half at once
+            start = time.perf_counter()
+            half_step()
+            half_step()
+            one_after_other = time.perf_counter() - start
+        dist.barrier()
+        start = time.perf_counter()
+        half_step()
+        at_once = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(at_once, op=dist.ReduceOp.MAX)
         if rank == 0:
+            two_processes.append(float(at_once) / one_after_other)
             ratios.append(plain_times[-1] / pipe_times[-1])
             of_ideal.append(ideal * hand_times[-1] / pipe_times[-1])
     if rank == 0:
@@ -151,6 +171,8 @@ def rank_main(
             "speedup": statistics.median(ratios), "of_ideal": statistics.median(of_ideal),
             "plain_ms": statistics.median(plain_times) * 1e3, "hand_ms": statistics.median(hand_times) * 1e3,
             "pipe_ms": statistics.median(pipe_times) * 1e3, "first_step_s": first_step,
+            "two_processes": statistics.median(two_processes),
+            "machine_line": 0.5 / statistics.median(two_processes),
         }))
     dist.destroy_process_group()
 
@@ -197,14 +219,17 @@ def main() -> None:
         for library, schedule in CONFIGS:
             result = measure(library, schedule, batch, args.rounds)
             results[f"{library} {schedule} batch={batch}"] = result
-            rows.append([f"{library} {schedule}", batch, result["speedup"], result["of_ideal"], GOALS.get(batch),
-                         result["pipe_ms"], result["plain_ms"], result["hand_ms"], result["first_step_s"]])
+            rows.append([f"{library} {schedule}", batch, result["speedup"], result["of_ideal"], result["machine_line"],
+                         GOALS.get(batch), result["pipe_ms"], result["plain_ms"], result["hand_ms"],
+                         result["two_processes"], result["first_step_s"]])
             print(common.format_table(HEADERS, [rows[-1]]).splitlines()[-1], flush=True)
     print()
     print(common.format_table(HEADERS, rows))
     print("(speed-up: median over rounds of plain step time / pipelined step time, measured alternately; of ideal: "
           f"median of the by-hand time x {(CHUNKS + WORLD - 1) / (CHUNKS * WORLD):.4f} / pipelined step time; by "
-          f"hand: the same {CHUNKS} micro-batches through the plain module on one thread)")
+          f"hand: the same {CHUNKS} micro-batches through the plain module on one thread; two processes: each rank "
+          "a half's by-hand work at once / rank 0 both halves in turn; machine line: 0.5 / two processes, the best "
+          "of ideal these cores allow)")
     print()
     # The cost of a step itself: messages, threads, control; the model computes next to nothing.
     fixed: List[List[Any]] = []

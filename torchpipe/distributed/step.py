@@ -81,7 +81,7 @@ def run_step(
     )
     step.timings = timings
     plan = step.plan.schedule if training else step.plan.forward
-    step.transport = transport = DistributedTransport(channel, sequence, plan, runner.skip_layout, devices)
+    step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
     progress = Progress()
     committed = False
     try:

@@ -60,7 +60,8 @@ class Header:
 
 def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: Sequence[bool] = (),
            atomic: bool = False) -> Tensor:
-    """The header of a message as an int64 tensor of :data:`HEADER_LENGTH` entries.
+    """The header of a message as an int64 tensor of :data:`HEADER_LENGTH` entries (shared by every message of
+    the same header: read it, never write it).
 
     Raises:
         ValueError: a dtype that cannot cross (see :data:`DTYPES`), or more
@@ -69,7 +70,7 @@ def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: 
     values = [_MAGIC, int(kind), int(atomic), len(tensors)]
     for k, tensor in enumerate(tensors):
         if tensor is None:
-            values += [0]
+            values.append(0)
             continue
         code = _CODES.get(tensor.dtype)
         if code is None:
@@ -82,6 +83,13 @@ def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: 
             f"a message of {len(tensors)} tensors needs {len(values)} header entries, more than the "
             f"{HEADER_LENGTH} a header holds; pass fewer tensors between stages"
         )
+    return _header(tuple(values))
+
+
+@functools.lru_cache(maxsize=1024)
+def _header(values: Tuple[int, ...]) -> Tensor:
+    """The header tensor of ``values`` (a message's header seldom changes between micro-batches and steps: made
+    once per header, on the sending end)."""
     header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
     header[: len(values)] = torch.tensor(values, dtype=torch.int64)
     return header
