@@ -160,10 +160,15 @@ def rank_main(
         dist.barrier()
         start = time.perf_counter()
         half_step()
-        at_once = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(at_once, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            two_processes.append(float(at_once) / one_after_other)
+        took = torch.tensor([time.perf_counter() - start])
+        # Point to point, not a collective: gloo's worker thread drops a collective's tensors after the caller
+        # is through with them, and a process that exits meanwhile aborts (a PyTorch race at interpreter exit).
+        if rank == 1:
+            dist.send(took, 0)
+        else:
+            other = torch.zeros(1)
+            dist.recv(other, 1)
+            two_processes.append(max(float(took), float(other)) / one_after_other)
             ratios.append(plain_times[-1] / pipe_times[-1])
             of_ideal.append(ideal * hand_times[-1] / pipe_times[-1])
     if rank == 0:
