@@ -1,6 +1,7 @@
 """What each rank runs in the multi-process tests (called by tests/distributed/launch.py in fresh processes)."""
 import copy
 import os
+import threading
 import time
 from typing import Any, Dict, List
 
@@ -147,6 +148,9 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     pipe.zero_grad()
     loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     report["next step"] = bool(torch.isfinite(loss))
+    for _ in range(3):
+        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    report["receiving threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("torchpipe-recv"))
     return report
 
 

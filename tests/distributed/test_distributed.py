@@ -51,6 +51,11 @@ def test_a_failing_layer_ends_the_step_on_every_rank(schedule: str) -> None:
         assert "ValueError: layer failed on purpose" in report["message"]
         assert report["seconds"] < 10
     assert all(r["next step"] for r in reports)
+    # A rank's receiving threads live across steps, one per peer that sends it messages (a thread per step
+    # cost every step a start and a join), also after a failed step.
+    assert reports[0]["receiving threads"] == ["torchpipe-recv-1-to-0"]
+    assert reports[1]["receiving threads"] == ["torchpipe-recv-0-to-1", "torchpipe-recv-2-to-1"]
+    assert reports[2]["receiving threads"] == ["torchpipe-recv-1-to-2"]
 
 
 def test_a_rank_that_dies_makes_the_others_raise() -> None:
