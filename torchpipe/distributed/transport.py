@@ -10,7 +10,9 @@ announces), :data:`AHEAD` messages ahead of the one it waits for (one over
 NCCL), and leaves each message in the step's mailbox, where the stage's
 action takes it. Each message has tags of its own (its position in the
 pair's order), and both sides issue a pair's operations in the same order,
-as NCCL needs.
+as NCCL needs. The threads live as long as the pipeline (one per peer), each
+step handing them its receives: a thread started and joined per step cost the
+step 0.3 to 0.6 ms on two busy cores.
 
 Posting ahead is what makes a message cheap: gloo moves a message only once
 its receive is posted, so a receive posted after its send costs the pair
@@ -117,8 +119,8 @@ def _wait_all(posted: List[Tuple[Tensor, Any]]) -> List[Tensor]:
 
 
 class _ReceivingThread:
-    """A daemon thread that receives one peer's messages for one pipeline, step after step: a thread started
-    and joined for every step cost the step 0.3 to 0.6 ms on two busy cores. Its jobs run in turn."""
+    """A daemon thread that receives one peer's messages for one pipeline, step after step (see [Note: message
+    order]). Its jobs run in turn."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
