@@ -187,6 +187,9 @@ def test_the_distributed_benchmark_measures_both_libraries(library: str, schedul
     figures = distributed.measure(library, schedule, batch=16, rounds=1, timeout=120)
     assert figures["speedup"] > 0 and figures["plain_ms"] > 0 and figures["pipe_ms"] > 0
     assert 0 < figures["first_step_s"] < 120
+    # Two processes each doing half the work at once take more than a quarter and less than twice the time
+    # of one doing both halves; the machine line is the ideal's share that allows.
+    assert 0.25 < figures["two_processes"] < 2 and figures["machine_line"] == 0.5 / figures["two_processes"]
 
 
 def test_the_language_model_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
