@@ -192,11 +192,22 @@ class Run:
         return (ids if self.rank == self.first else None), (ids if self.rank == self.last else None)
 
     def broadcast_from_last(self, tensor: Tensor) -> Tensor:
-        """The last stage's rank's ``tensor`` on every rank (on the CPU)."""
+        """The last stage's rank's ``tensor`` on every rank (on the CPU).
+
+        Sent point to point, not by ``dist.broadcast``: gloo runs a collective
+        on a worker thread that lets go of the tensor after the caller is
+        through with it, and a process that exits meanwhile aborts ("terminate
+        called without an active exception", a race of PyTorch's at
+        interpreter exit). The last of these comes just before the run ends."""
         if not self.distributed:
             return tensor
         tensor = tensor.to(self.device)
-        dist.broadcast(tensor, src=self.last)
+        if self.rank == self.last:
+            for rank in range(self.world):
+                if rank != self.rank:
+                    dist.send(tensor, rank)
+        else:
+            dist.recv(tensor, self.last)
         return tensor.cpu()
 
 
