@@ -12,7 +12,7 @@ action takes it. Each message has tags of its own (its position in the
 pair's order), and both sides issue a pair's operations in the same order,
 as NCCL needs. The threads live as long as the pipeline (one per peer), each
 step handing them its receives: a thread started and joined per step cost the
-step 0.3 to 0.6 ms on two busy cores.
+step 0.25 to 0.6 ms on two busy cores.
 
 Posting ahead is what makes a message cheap: gloo moves a message only once
 its receive is posted, so a receive posted after its send costs the pair
