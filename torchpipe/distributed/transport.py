@@ -124,27 +124,24 @@ class _ReceivingThread:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
-        #: Whether a job was handed to it and has not ended yet.
-        self.busy = False
+        #: Set once the last job handed to the thread has ended.
+        self._ended: Optional[threading.Event] = None
         threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job handed to the thread has not ended yet."""
+        return self._ended is not None and not self._ended.is_set()
 
     def start(self, job: Callable[[], None]) -> threading.Event:
         """Runs ``job`` on the thread; the event is set once it has ended."""
-        ended = threading.Event()
-        self.busy = True
-        self._jobs.put(functools.partial(self._job, job, ended))
+        ended = self._ended = threading.Event()
+        self._jobs.put(functools.partial(_run_job, job, ended))
         return ended
 
     def close(self) -> None:
         """Ends the thread once its jobs are done."""
         self._jobs.put(None)
-
-    def _job(self, job: Callable[[], None], ended: threading.Event) -> None:
-        try:
-            job()
-        finally:
-            self.busy = False
-            ended.set()
 
     def _run(self) -> None:
         while True:
@@ -153,6 +150,13 @@ class _ReceivingThread:
                 return
             job()
             del job  # the step's transport and buffers: not kept while the thread waits for the next step
+
+
+def _run_job(job: Callable[[], None], ended: threading.Event) -> None:
+    try:
+        job()
+    finally:
+        ended.set()
 
 
 #: Each channel's receiving threads, by peer; closed when the channel goes.
