@@ -20,15 +20,17 @@ also looks for a failure:
 - ``ready/<n>`` and ``fate/<n>``: before a step with collectives between
   replicas (or between the holders of a tied parameter), the ranks agree that
   every one of them will run it (:meth:`Channel.commit`);
-- ``done/<n>/<rank>``: each rank's step is over; a rank returns only when
+- ``done/<n>/<rank>``: each rank's step is over, with what it tells every
+  rank (the last stage's rank: its replica's loss); a rank returns only when
   every rank is done (or one failed), so a step ends the same way everywhere;
-- ``loss/<n>/<replica>``: each replica's loss, from its last stage's rank to every rank.
+- ``left/<rank>``: the last step (or collective call) each rank other than
+  the store's host is through with (see [Note: leaving the store]).
 
 A multi-process pipeline of a mesh's replica shares the store's keys (and so
 its failures and ends of steps) with every replica, and has process groups
 of its own for its stages' messages.
 
-Keys of old steps are deleted as steps go.
+Keys of old steps are deleted as steps go (``left/<rank>``, one per rank, is overwritten).
 """
 import datetime
 import itertools
@@ -282,22 +284,24 @@ class Channel:
         except RuntimeError:  # the store's host died: the waits will say so
             pass
 
-    def done(self, sequence: int, read: Sequence[str] = ()) -> Dict[str, List[List[float]]]:
-        """Marks this rank's step over and waits until every rank's is (raising if one failed meanwhile).
+    def done(self, sequence: int, values: Sequence[float] = (), read: bool = False) -> List[List[float]]:
+        """Marks this rank's step over, with ``values`` for every rank to read, and waits until every rank's is
+        (raising if one failed meanwhile).
 
-        Returns, per key of ``read``, the values every replica published under it (a list per replica), read
-        before this rank is through with the store for the step (see [Note: leaving the store]).
+        Returns, with ``read``, every rank's values (of every replica, in the mesh's rank order), read before
+        this rank is through with the store for the step (see [Note: leaving the store]); else ``[]``.
         """
-        self._set(sequence, f"done/{sequence}/{self.index}", "1")
-        names = {key: [f"{key}/{sequence}/{r}" for r in range(self.replicas)] for key in read}
-        waited = [f"done/{sequence}/{r}" for r in range(self.count)] + [n for ns in names.values() for n in ns]
-        self._wait(sequence, waited)
+        self._set(sequence, f"done/{sequence}/{self.index}", " ".join(float(v).hex() for v in values))
+        names = [f"done/{sequence}/{r}" for r in range(self.count)]
+        # Keys first: a rank whose step fails never says it is done, so once every rank has, the step
+        # succeeded, and the look for a failure (a trip to the store) is spared.
+        self._wait(sequence, names, keys_first=True)
         try:
-            values = {key: [_parse(self.store.get(n)) for n in ns] for key, ns in names.items()}
+            every = [_parse(value) for value in self.store.multi_get(names)] if read else []
         except RuntimeError as exc:
             raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
         self._leave(sequence)
-        return values
+        return every
 
     def leave_failed(self, sequence: int) -> None:
         """After a failed step, once this rank has read the failure: see [Note: leaving the store]."""
@@ -312,18 +316,20 @@ class Channel:
         # in the agent). A rank that leaves its last step and exits takes the store with it: a rank still
         # polling for the step's last keys would then fail a step that succeeded, or, after a failed step,
         # find "the store cannot be reached" instead of the failure's record. So every other rank says
-        # when it has read all it needs of the step, and rank 0 waits for that before it returns. A rank
-        # that dies in between is not waited for long: a step that succeeded stays so, and the next one
-        # will find the dead rank.
+        # when it has read all it needs of the step (the number of the last step it is through with, under
+        # one key of its own, overwritten: nothing to delete), and rank 0 waits for that before it returns.
+        # A rank that dies in between is not waited for long: a step that succeeded stays so, and the next
+        # one will find the dead rank.
         if dist.get_rank() != 0:
-            self._set(sequence, f"left/{sequence}/{self.index}", "1")
+            self.store.set(f"left/{self.index}", str(sequence))
             return
-        keys = [f"left/{sequence}/{r}" for r in range(self.count) if r != self.index]
+        keys = [f"left/{r}" for r in range(self.count) if r != self.index]
         deadline = time.monotonic() + seconds
         pause = 0.0002
         while time.monotonic() < deadline:
             try:
-                if self.store.check(keys):
+                # add(key, 0) reads a number in one trip (and makes a key not yet there, as 0).
+                if all(int(self.store.add(key, 0)) >= sequence for key in keys):
                     return
             except RuntimeError:  # pragma: no cover - rank 0 hosts the store: it is there
                 return

@@ -4,7 +4,7 @@ The first stage's rank splits the input and publishes the micro-batch sizes
 (see [Note: control plane]); every rank makes the same :class:`Step` and runs
 its own worker's list of actions on the calling thread, exchanging messages
 over :class:`~torchpipe.distributed.transport.DistributedTransport`; the last
-stage's rank publishes the loss; every rank returns when all are done. If an
+stage's rank tells every rank the loss as it ends; every rank returns when all are done. If an
 action fails, its rank records the failure (rank, action, error) and raises the
 original exception; every other rank raises :class:`PipelineError` with that
 record.
@@ -84,6 +84,8 @@ def run_step(
     step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
     progress = Progress()
     committed = False
+    mine: List[float] = []  # what this rank tells every rank as it ends: the last stage's rank, the loss
+    read = False
     try:
         if loss is not None and step_loss is not None and rank == last:
             step.loss = step_loss = step_loss._replace(targets=split_target(loss[1], devices[-1], counts))
@@ -99,8 +101,10 @@ def run_step(
         if rank == last and step_loss is not None:
             value = float(sum(float(v) for v in step.losses if v is not None))
             dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
-            channel.publish(sequence, "loss", [value, float(wire.DTYPES.index(dtype))])
-        published = channel.done(sequence, read=["loss"] if step_loss is not None else [])
+            mine = [value, float(wire.DTYPES.index(dtype))]
+        # The loss of every replica, but the last stage's rank of a lone pipeline knows the only one.
+        read = step_loss is not None and not (rank == last and channel.replicas == 1)
+        told = channel.done(sequence, mine, read=read)
         if training and inputs:
             step.backward_input(inputs)
     except BaseException as exc:
@@ -117,8 +121,11 @@ def run_step(
         raise
     result: Optional[Tensor] = None
     if step_loss is not None:
-        value = sum(values[0] for values in published["loss"])
-        dtype = wire.DTYPES[int(published["loss"][0][1])]
+        losses = [values for values in told if values] if read else [mine]
+        if len(losses) != channel.replicas:  # pragma: no cover - every replica's last stage's rank tells one
+            raise RuntimeError(f"rank {_who(channel)} read {len(losses)} losses of {channel.replicas} replicas")
+        value = sum(values[0] for values in losses)
+        dtype = wire.DTYPES[int(losses[0][1])]
         result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs

@@ -240,7 +240,8 @@ class DistributedTransport:
             for (peer, target), edges in orders.items()
             if target == self.rank
         ]
-        self._last_poll = 0.0
+        # The step's start looked at the store (or will, waiting for it): the first look for a failure waits.
+        self._last_poll = time.monotonic()
 
     # --- the Transport protocol --------------------------------------------------------------------------
 
