@@ -154,17 +154,21 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     return report
 
 
-def receiving_thread_bug(rank: int, world: int) -> Dict[str, Any]:
-    """Rank 1's receiving thread meets an error of a kind it does not expect (a bug, say a TypeError in
-    decoding a header) in the second step; every rank reports what it raised and when."""
+def receive_bug(rank: int, world: int, skip: int) -> Dict[str, Any]:
+    """Rank 1 meets an error of a kind its receive does not expect (a bug, say a TypeError in decoding a
+    header) in the second step, after ``skip`` messages of it decoded well: with 0 on the receiving thread,
+    which takes a peer's first message, with more on the stage's thread, which takes the rest. Every rank
+    reports what it raised and when."""
     from torchpipe.distributed import wire
 
     decode = wire.decode
-    armed = {"on": False}
+    armed = {"on": False, "skip": skip}
 
     def buggy_decode(header: Tensor) -> Any:
         if armed["on"]:
-            raise TypeError("a bug in the receiving thread")
+            if armed["skip"] == 0:
+                raise TypeError(f"a bug in a receive, on thread {threading.current_thread().name}")
+            armed["skip"] -= 1
         return decode(header)
 
     wire.decode = buggy_decode  # type: ignore[assignment]

@@ -4,15 +4,29 @@
 messages each other rank will send it in a step, and in which order: a rank
 sends, action by action down its list, a forward's skips (in the layout's
 order) then its activation, and a backward's skip gradients then its input
-gradient. For each peer a receiving thread posts the receives of exactly
-those messages in exactly that order (a header, then the tensors it
-announces), :data:`AHEAD` messages ahead of the one it waits for (one over
-NCCL), and leaves each message in the step's mailbox, where the stage's
-action takes it. Each message has tags of its own (its position in the
-pair's order), and both sides issue a pair's operations in the same order,
-as NCCL needs. The threads live as long as the pipeline (one per peer), each
-step handing them its receives: a thread started and joined per step cost the
-step 0.25 to 0.6 ms on two busy cores.
+gradient. For each peer this rank posts the receives of exactly those
+messages in exactly that order (a header, then the tensors it announces),
+:data:`AHEAD` messages ahead of the one it waits for (one over NCCL), and
+takes them off the wire in that order into the step's mailbox, where the
+stage's action takes each. Each message has tags of its own (its position in
+the pair's order), and both sides issue a pair's operations in the same
+order, as NCCL needs.
+
+Who waits for a message: a receive over gloo cannot be waited for with a
+time limit (gloo's timeout breaks the whole group) nor asked whether it is
+done, so a wait for a peer that may never send must be a thread's, while the
+stage polls the store for failures. That is the peer's first message of the
+step, which a receiving thread takes (the peer may have failed before it
+began the step: a rank that disagreed on the step's mode). Once it has come,
+the peer is in the step, and for every receive posted it sends the message,
+or an abort in its place (see [Note: abort messages]), or its death closes
+the connection: the stage's own thread takes the rest off the wire when its
+actions need them. A hop between threads less per message: each was two
+wake-ups on busy cores, 0.2 to 0.4 ms in the timeline of a two-rank step on
+two cores. After a failure the receiving thread again takes what the peers
+still send (:meth:`DistributedTransport.fail`). The threads live as long as
+the pipeline (one per peer), each step handing them its jobs: a thread
+started and joined per step cost the step 0.25 to 0.6 ms on two busy cores.
 
 Posting ahead is what makes a message cheap: gloo moves a message only once
 its receive is posted, so a receive posted after its send costs the pair
@@ -48,12 +62,13 @@ NCCL, separately.
 that another rank's did), it sends each peer, in place of the messages it
 still owed it, as many headers that say "abort" as the peer has posted
 receives for (:data:`AHEAD`, or fewer at the end of the step), each with
-tensors of its message's remembered layout. The peer's receiving thread, at
-the first abort, takes the others (they are on their way) and ends;
-everything sent before was received. So after a failure seen by every rank
+tensors of its message's remembered layout. The peer, at the first abort
+(on its stage's thread or its receiving thread), takes the others (they are
+on their way) and receives nothing more from it; everything sent before was
+received. So after a failure seen by every rank
 no receive is left pending, and the pipeline's process groups are as good as
-new for the next step. Only a rank that died (or a receiving thread that met
-an error it does not expect, a bug) leaves its pairs out of step: the peers'
+new for the next step. Only a rank that died (or a receive that met an
+error it does not expect, a bug) leaves its pairs out of step: the peers'
 receives fail at once, or the step fails naming the error, and the job has
 to be restarted.
 """
@@ -194,6 +209,24 @@ class _PeerFailed:
         self.died = died
 
 
+class _Incoming:
+    """What one peer sends this rank in a step, as it comes off the wire, in order (see [Note: message
+    order]): the receives posted, and how many messages have been received."""
+
+    def __init__(self, edges: List[Edge], thread: _ReceivingThread) -> None:
+        self.edges = edges
+        self.index = {edge: k for k, edge in enumerate(edges)}
+        #: The receives posted for the next messages, in order.
+        self.posted: Deque[_Posted] = collections.deque()
+        #: The number of messages received (left in the mailbox).
+        self.received = 0
+        #: Whether nothing more comes: the peer aborted, or its connection failed.
+        self.stopped = False
+        #: The thread that takes the first message; ``first`` is set once it has (or failed).
+        self.thread = thread
+        self.first: Optional[threading.Event] = None
+
+
 class DistributedTransport:
     """The messages of one step on this rank: local ones through a mailbox, the others over c10d.
 
@@ -234,12 +267,14 @@ class DistributedTransport:
         #: which is also where receives may be posted AHEAD (over NCCL, one). The same on every rank.
         self._packed = channel.device.type != "cuda"
         self._ahead = AHEAD if self._packed else 1
-        #: Per peer that sends this rank messages, the end of its receiving thread's job for this step.
-        self._receiving = [
-            _receiving_thread(channel, peer).start(functools.partial(self._receive, peer, edges))
-            for (peer, target), edges in orders.items()
-            if target == self.rank
-        ]
+        #: Per peer that sends this rank messages, what it sends; its receiving thread takes the first.
+        self._incoming: Dict[int, _Incoming] = {}
+        for (peer, target), edges in orders.items():
+            if target == self.rank:
+                incoming = self._incoming[peer] = _Incoming(edges, _receiving_thread(channel, peer))
+                incoming.first = incoming.thread.start(functools.partial(self._receive_first, peer, incoming))
+        #: The ends of the receiving threads' jobs: the first messages', then, after a failure, the drains'.
+        self._jobs = [incoming.first for incoming in self._incoming.values() if incoming.first is not None]
         # The step's start looked at the store (or will, waiting for it): the first look for a failure waits.
         self._last_poll = time.monotonic()
 
@@ -317,6 +352,16 @@ class DistributedTransport:
         raise PipelineError(self.channel.failure(self.sequence) or message)
 
     def recv(self, edge: Edge) -> Message:
+        peer = self.stage_workers[edge.source]
+        incoming = self._incoming.get(peer) if peer != self.rank else None
+        if incoming is not None and incoming.index[edge] >= incoming.received:
+            if incoming.index[edge] > 0:  # the first message comes through the thread (see [Note: message order])
+                assert incoming.first is not None
+                while not incoming.first.wait(POLL_SECONDS):
+                    self._check_store()
+                # The peer is in the step: what it owes comes, or an abort in its place, or its connection fails.
+                while not incoming.stopped and incoming.received <= incoming.index[edge]:
+                    self._take_next(peer, incoming)
         return self.mailbox.take(edge, poll=self._check_store, interval=POLL_SECONDS)
 
     def _check_store(self) -> None:
@@ -340,7 +385,7 @@ class DistributedTransport:
                 except RuntimeError as exc:
                     self._peer_died(peer, "waited for its sends to end", exc)
         self._pending.clear()
-        for ended in self._receiving:
+        for ended in self._jobs:
             ended.wait()
 
     def fail(self) -> None:
@@ -364,6 +409,10 @@ class DistributedTransport:
                     self._pending.append((peer, works, kept))
                 except RuntimeError:  # the peer died: it expects nothing any more
                     break
+        # What the peers still send (their messages or aborts) is taken off the wire, on the receiving threads:
+        # a peer that never started the step never sends, and only a thread can wait for it without end.
+        for peer, incoming in self._incoming.items():
+            self._jobs.append(incoming.thread.start(functools.partial(self._drain, peer, incoming)))
         deadline = time.monotonic() + 10.0
         for _, works, _ in self._pending:
             for work in works:
@@ -374,7 +423,7 @@ class DistributedTransport:
                 except RuntimeError:  # a dead peer, or the time is up
                     pass
         self._pending.clear()
-        for ended in self._receiving:
+        for ended in self._jobs:
             ended.wait(max(0.0, deadline - time.monotonic()))
 
     # --- receiving ---------------------------------------------------------------------------------------
@@ -382,57 +431,86 @@ class DistributedTransport:
     def _tag(self, k: int, part: int) -> int:
         return self._base + 2 * k + part
 
-    def _receive(self, peer: int, edges: List[Edge]) -> None:
-        """The receiving thread's job for ``peer``: keeps the receives of its next :data:`AHEAD` messages posted, in
-        order, and leaves each message in the mailbox (see [Note: message order])."""
+    def _receive_first(self, peer: int, incoming: _Incoming) -> None:
+        """The receiving thread's job for ``peer`` in a step: posts the receives of its first :data:`AHEAD`
+        messages and takes the first off the wire (see [Note: message order])."""
         if self.devices and self.devices[0].type == "cuda":
             torch.cuda.set_device(self.devices[0])  # this thread's current device, for NCCL's receives
-        posted: Deque[_Posted] = collections.deque()
         try:
-            for k in range(min(self._ahead, len(edges))):
-                posted.append(self._post_message(peer, k, edges[k]))
-            for k, edge in enumerate(edges):
-                header, header_work, expected, guessed = posted.popleft()
-                header_work.wait()
-                packed: List[Tensor] = []
-                if self._packed:
-                    header, packed = wire.unpack(header, expected)
-                decoded = wire.decode(header)
-                if decoded.kind is wire.Kind.ABORT:
-                    _wait_all(guessed)
-                    for _, later_header, _, later_guessed in posted:  # aborts too, on their way
-                        later_header.wait()
-                        _wait_all(later_guessed)
-                    self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
-                    return
-                key = (peer, self.rank, edge)
-                layout = tuple((dtype, shape) for dtype, _, shape in filter(None, decoded.tensors))
-                received = _wait_all(guessed) if not self._packed else packed
-                if layout != expected:  # what came were fillers (see [Note: expected layouts])
-                    received = _wait_all(self._post_receives(peer, k, layout, self.devices[edge.target]))
-                self.channel.layouts[key] = layout
-                if decoded.kind is wire.Kind.NOT_STASHED:
-                    self.mailbox.put(edge, Message([], (), True))
-                else:
-                    values = iter(received)
-                    tensors = [None if meta is None else next(values) for meta in decoded.tensors]
-                    flags = tuple(meta is not None and meta[1] for meta in decoded.tensors)
-                    self.mailbox.put(edge, Message(tensors, flags, decoded.atomic))
-                # Only now the next message's receives: over NCCL nothing may be posted between this message's
-                # fillers and its real tensors (and its stage need not wait for the posting).
-                if k + self._ahead < len(edges):
-                    posted.append(self._post_message(peer, k + self._ahead, edges[k + self._ahead]))
-        except RuntimeError as exc:
-            self._put_failure(_PeerFailed(
-                f"rank {peer} died or closed its connection while rank {self.rank} waited for its "
-                f"{edges[0].kind.value if edges else 'messages'}: {exc}", died=True,
-            ))
-        except ValueError as exc:  # a header that is not one: the ranks run different schedules
-            self._put_failure(_PeerFailed(f"rank {self.rank}, receiving from rank {peer}: {exc}", died=True))
-        except BaseException as exc:  # a bug here: the step must still end, on every rank, and say why
-            self._put_failure(_PeerFailed(
-                f"rank {self.rank}'s receiving thread for rank {peer} failed: {type(exc).__name__}: {exc}", died=True
-            ))
+            for k in range(min(self._ahead, len(incoming.edges))):
+                incoming.posted.append(self._post_message(peer, k, incoming.edges[k]))
+        except Exception as exc:
+            self._stop(peer, incoming, exc)
+            return
+        self._take_next(peer, incoming)
+
+    def _drain(self, peer: int, incoming: _Incoming) -> None:
+        """After this rank's failure, on the receiving thread: takes what ``peer`` still sends off the wire, up to
+        its abort (see [Note: abort messages])."""
+        while not incoming.stopped and incoming.received < len(incoming.edges):
+            self._take_next(peer, incoming)
+
+    def _take_next(self, peer: int, incoming: _Incoming) -> None:
+        """Waits for ``peer``'s next message and leaves it in the mailbox; posts the receives of the message
+        :data:`AHEAD` after it. After an abort or an error, leaves the failure there instead."""
+        k = incoming.received
+        edge = incoming.edges[k]
+        try:
+            header, header_work, expected, guessed = incoming.posted.popleft()
+            header_work.wait()
+            packed: List[Tensor] = []
+            if self._packed:
+                header, packed = wire.unpack(header, expected)
+            decoded = wire.decode(header)
+            if decoded.kind is wire.Kind.ABORT:
+                _wait_all(guessed)
+                for _, later_header, _, later_guessed in incoming.posted:  # aborts too, on their way
+                    later_header.wait()
+                    _wait_all(later_guessed)
+                incoming.posted.clear()
+                incoming.stopped = True
+                self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
+                return
+            key = (peer, self.rank, edge)
+            layout = tuple((dtype, shape) for dtype, _, shape in filter(None, decoded.tensors))
+            received = _wait_all(guessed) if not self._packed else packed
+            if layout != expected:  # what came were fillers (see [Note: expected layouts])
+                received = _wait_all(self._post_receives(peer, k, layout, self.devices[edge.target]))
+            self.channel.layouts[key] = layout
+            if decoded.kind is wire.Kind.NOT_STASHED:
+                self.mailbox.put(edge, Message([], (), True))
+            else:
+                values = iter(received)
+                tensors = [None if meta is None else next(values) for meta in decoded.tensors]
+                flags = tuple(meta is not None and meta[1] for meta in decoded.tensors)
+                self.mailbox.put(edge, Message(tensors, flags, decoded.atomic))
+            incoming.received = k + 1
+            # Only now the next message's receives: over NCCL nothing may be posted between this message's
+            # fillers and its real tensors.
+            if k + self._ahead < len(incoming.edges):
+                incoming.posted.append(self._post_message(peer, k + self._ahead, incoming.edges[k + self._ahead]))
+        except Exception as exc:
+            self._stop(peer, incoming, exc)
+        except BaseException:  # KeyboardInterrupt on the stage's thread: where this peer's messages are is lost
+            incoming.stopped = True
+            raise
+
+    def _stop(self, peer: int, incoming: _Incoming, error: Exception) -> None:
+        """Nothing more is taken from ``peer`` after ``error``: leaves the failure in the mailbox."""
+        incoming.stopped = True
+        if isinstance(error, RuntimeError):
+            what = incoming.edges[0].kind.value if incoming.edges else "messages"
+            failure = _PeerFailed(
+                f"rank {peer} died or closed its connection while rank {self.rank} waited for its {what}: {error}",
+                died=True,
+            )
+        elif isinstance(error, ValueError):  # a header that is not one: the ranks run different schedules
+            failure = _PeerFailed(f"rank {self.rank}, receiving from rank {peer}: {error}", died=True)
+        else:  # a bug here: the step must still end, on every rank, and say why
+            failure = _PeerFailed(
+                f"rank {self.rank} failed to receive from rank {peer}: {type(error).__name__}: {error}", died=True
+            )
+        self._put_failure(failure)
 
     def _post_message(self, peer: int, k: int, edge: Edge) -> "_Posted":
         """Posts the receives of message ``k`` from ``peer``: its header's, and its tensors' of the layout the
