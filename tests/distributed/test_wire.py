@@ -33,6 +33,9 @@ def test_a_packed_message_carries_its_header_and_tensors_bit_for_bit(
     layout = tuple((t.dtype, tuple(t.shape)) for t in tensors)
     buffer = wire.pack(header, tensors, layout)
     assert buffer.dtype == torch.uint8 and buffer.numel() == wire.packed_bytes(layout)
+    # The header tensor is shared by every message of that header (wire._header): the buffer is a copy,
+    # also of a message without tensors (a concatenation of one piece must not hand back the piece).
+    assert buffer.untyped_storage().data_ptr() != header.untyped_storage().data_ptr()
     # What the receiver gets: a buffer of its own (as if from the wire), read as views.
     received_header, received = wire.unpack(buffer.clone(), layout)
     decoded = wire.decode(received_header)
