@@ -16,7 +16,8 @@ time, over rank 0 running both halves one after the other (0.5 on two free cores
 ideal* on this machine is then 0.5 / that ratio (the *machine line*). Also: the time from starting the
 processes to the end of the first step, per library, and the fixed cost of a
 step (a 2x8 MLP, batch 8: the messages of 8 micro-batches with next to no
-computing).
+computing), for steps back to back, as in training, and for one step after a
+barrier (idle threads, cold caches).
 
 Configurations: torchpipe ``gpipe`` and ``1f1b``; ``torch.distributed.pipelining``'s
 ``ScheduleGPipe`` and ``Schedule1F1B`` (its stages take the same halves of the model).
@@ -57,6 +58,8 @@ HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine l
            "by hand ms", "two processes", "start to 1st step s"]
 #: The model and batch that measure what a step costs by itself.
 FIXED_LAYERS, FIXED_WIDTH, FIXED_BATCH = 2, 8, 8
+#: The fixed cost's steps timed back to back in each round.
+FIXED_BURST = 10
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -105,7 +108,7 @@ class Runner:
 
 def rank_main(
     rank: int, library: str, schedule: str, batch: int, rounds: int, out: str, spawned: float,
-    layers: int = LAYERS, width: int = WIDTH,
+    layers: int = LAYERS, width: int = WIDTH, burst: int = 0,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
@@ -137,6 +140,7 @@ def rank_main(
     hand_times: List[float] = []
     pipe_times: List[float] = []
     two_processes: List[float] = []
+    burst_times: List[float] = []
     ideal = (CHUNKS + WORLD - 1) / (CHUNKS * WORLD)
     for _ in range(rounds):
         dist.barrier()
@@ -151,6 +155,12 @@ def rank_main(
         start = time.perf_counter()
         runner.step(x, y)
         pipe_times.append(time.perf_counter() - start)
+        if burst:  # steps back to back, as in training (one step after a barrier starts on idle threads)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(burst):
+                runner.step(x, y)
+            burst_times.append((time.perf_counter() - start) / burst)
         dist.barrier()
         if rank == 0:  # both halves one after the other, then each rank its half at once
             start = time.perf_counter()
@@ -178,22 +188,24 @@ def rank_main(
             "pipe_ms": statistics.median(pipe_times) * 1e3, "first_step_s": first_step,
             "two_processes": statistics.median(two_processes),
             "machine_line": 0.5 / statistics.median(two_processes),
+            "pipe_burst_ms": statistics.median(burst_times) * 1e3 if burst_times else None,
         }))
     dist.destroy_process_group()
 
 
 def measure(
     library: str, schedule: str, batch: int, rounds: int, timeout: float = 600.0, layers: int = LAYERS,
-    width: int = WIDTH,
+    width: int = WIDTH, burst: int = 0,
 ) -> Dict[str, Any]:
-    """Starts 2 ranks for one configuration; rank 0's figures (the ranks are killed after ``timeout`` s)."""
+    """Starts 2 ranks for one configuration; rank 0's figures (the ranks are killed after ``timeout`` s). With
+    ``burst``, each round also times that many steps back to back (``pipe_burst_ms``: per step)."""
     port = common.free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
         spawned = time.time()
         commands = [[sys.executable, __file__, "--rank", str(rank), "--library", library, "--schedule", schedule,
                      "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned),
-                     "--layers", str(layers), "--width", str(width)] for rank in range(WORLD)]
+                     "--layers", str(layers), "--width", str(width), "--burst", str(burst)] for rank in range(WORLD)]
         common.run_ranks(commands, common.rank_environment(port), timeout, f"{library} {schedule} batch {batch}")
         return dict(json.loads(Path(out).read_text()))
 
@@ -211,10 +223,11 @@ def main() -> None:
     parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=LAYERS, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
+    parser.add_argument("--burst", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
         rank_main(args.rank, args.library, args.schedule, args.batch, args.rounds, args.out, args.spawned,
-                  args.layers, args.width)
+                  args.layers, args.width, args.burst)
         return
     print(f"machine: {common.machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
     print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}")
@@ -240,12 +253,13 @@ def main() -> None:
     fixed: List[List[Any]] = []
     for library, schedule in CONFIGS:
         result = measure(library, schedule, FIXED_BATCH, max(args.rounds, 30), layers=FIXED_LAYERS,
-                         width=FIXED_WIDTH)
+                         width=FIXED_WIDTH, burst=FIXED_BURST)
         results[f"{library} {schedule} fixed cost"] = result
-        fixed.append([f"{library} {schedule}", result["pipe_ms"]])
-    print(common.format_table(["configuration", "fixed cost of a step, ms"], fixed))
+        fixed.append([f"{library} {schedule}", result["pipe_burst_ms"], result["pipe_ms"]])
+    print(common.format_table(["configuration", "fixed cost of a step, ms", "after a barrier, ms"], fixed))
     print(f"(median step time of a {FIXED_LAYERS}x{FIXED_WIDTH} MLP, batch {FIXED_BATCH}, chunks {CHUNKS}: "
-          f"{CHUNKS} micro-batches cross each way with next to no computing)")
+          f"{CHUNKS} micro-batches cross each way with next to no computing; steps {FIXED_BURST} back to back, as "
+          "in training, and one step after a barrier, which starts on idle threads and cold caches)")
     if args.json:
         common.save_json(args.json, {"results": results, "goals": GOALS})
 

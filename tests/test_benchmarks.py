@@ -184,8 +184,9 @@ def test_the_distributed_benchmark_measures_both_libraries(library: str, schedul
     from benchmarks import distributed
 
     assert (library, schedule) in distributed.CONFIGS
-    figures = distributed.measure(library, schedule, batch=16, rounds=1, timeout=120)
+    figures = distributed.measure(library, schedule, batch=16, rounds=1, timeout=120, burst=2)
     assert figures["speedup"] > 0 and figures["plain_ms"] > 0 and figures["pipe_ms"] > 0
+    assert figures["pipe_burst_ms"] > 0  # steps back to back: the fixed cost's figure
     assert 0 < figures["first_step_s"] < 120
     # Two processes each doing half the work at once take more than a quarter and less than twice the time
     # of one doing both halves; the machine line is the ideal's share that allows.
