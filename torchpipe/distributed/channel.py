@@ -195,8 +195,7 @@ class Channel:
 
     def publish(self, sequence: int, key: str, values: Sequence[float]) -> None:
         """Publishes ``values`` under ``key`` for step ``sequence``, for this replica's ranks (and the others')."""
-        # Floats as hexadecimal text: exact, and the store's typed API takes text.
-        self._set(sequence, f"{key}/{sequence}/{self.replica}", " ".join(float(v).hex() for v in values))
+        self._set(sequence, f"{key}/{sequence}/{self.replica}", _format(values))
 
     def _wait(self, sequence: int, keys: List[str], keys_first: bool = False) -> None:
         """Waits until ``keys`` are in the store, looking for a failure of step ``sequence`` as it waits
@@ -238,7 +237,7 @@ class Channel:
         """Every rank's ``values`` (of every replica), in the mesh's rank order; a collective, through the
         store (exact: floats as hexadecimal text)."""
         sequence = self.next_sequence()
-        self._set(sequence, f"exchange/{sequence}/{self.index}", " ".join(float(v).hex() for v in values))
+        self._set(sequence, f"exchange/{sequence}/{self.index}", _format(values))
         names = [f"exchange/{sequence}/{r}" for r in range(self.count)]
         self._wait(sequence, names)
         every = [_parse(self.store.get(name)) for name in names]
@@ -291,7 +290,7 @@ class Channel:
         Returns, with ``read``, every rank's values (of every replica, in the mesh's rank order), read before
         this rank is through with the store for the step (see [Note: leaving the store]); else ``[]``.
         """
-        self._set(sequence, f"done/{sequence}/{self.index}", " ".join(float(v).hex() for v in values))
+        self._set(sequence, f"done/{sequence}/{self.index}", _format(values))
         names = [f"done/{sequence}/{r}" for r in range(self.count)]
         # Keys first: a rank whose step fails never says it is done, so once every rank has, the step
         # succeeded, and the look for a failure (a trip to the store) is spared.
@@ -335,6 +334,11 @@ class Channel:
                 return
             time.sleep(pause)
             pause = min(pause * 2, self._longest_pause)
+
+
+def _format(values: Sequence[float]) -> str:
+    """``values`` as the store keeps them: hexadecimal floats, exact, as text (the store's typed API takes text)."""
+    return " ".join(float(v).hex() for v in values)
 
 
 def _parse(value: Any) -> List[float]:

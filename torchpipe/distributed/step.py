@@ -122,8 +122,7 @@ def run_step(
     result: Optional[Tensor] = None
     if step_loss is not None:
         losses = [values for values in told if values] if read else [mine]
-        if len(losses) != channel.replicas:  # pragma: no cover - every replica's last stage's rank tells one
-            raise RuntimeError(f"rank {_who(channel)} read {len(losses)} losses of {channel.replicas} replicas")
+        assert len(losses) == channel.replicas, f"{len(losses)} losses told for {channel.replicas} replicas"
         value = sum(values[0] for values in losses)
         dtype = wire.DTYPES[int(losses[0][1])]
         result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])

@@ -213,6 +213,9 @@ class _Incoming:
     """What one peer sends this rank in a step, as it comes off the wire, in order (see [Note: message
     order]): the receives posted, and how many messages have been received."""
 
+    #: Set once the receiving thread has taken the first message (or failed to): its job's end.
+    first: threading.Event
+
     def __init__(self, edges: List[Edge], thread: _ReceivingThread) -> None:
         self.edges = edges
         self.index = {edge: k for k, edge in enumerate(edges)}
@@ -222,9 +225,8 @@ class _Incoming:
         self.received = 0
         #: Whether nothing more comes: the peer aborted, or its connection failed.
         self.stopped = False
-        #: The thread that takes the first message; ``first`` is set once it has (or failed).
+        #: The thread that takes the first message (and, after a failure, drains the rest).
         self.thread = thread
-        self.first: Optional[threading.Event] = None
 
 
 class DistributedTransport:
@@ -274,7 +276,7 @@ class DistributedTransport:
                 incoming = self._incoming[peer] = _Incoming(edges, _receiving_thread(channel, peer))
                 incoming.first = incoming.thread.start(functools.partial(self._receive_first, peer, incoming))
         #: The ends of the receiving threads' jobs: the first messages', then, after a failure, the drains'.
-        self._jobs = [incoming.first for incoming in self._incoming.values() if incoming.first is not None]
+        self._jobs = [incoming.first for incoming in self._incoming.values()]
         # The step's start looked at the store (or will, waiting for it): the first look for a failure waits.
         self._last_poll = time.monotonic()
 
@@ -353,15 +355,16 @@ class DistributedTransport:
 
     def recv(self, edge: Edge) -> Message:
         peer = self.stage_workers[edge.source]
-        incoming = self._incoming.get(peer) if peer != self.rank else None
-        if incoming is not None and incoming.index[edge] >= incoming.received:
-            if incoming.index[edge] > 0:  # the first message comes through the thread (see [Note: message order])
-                assert incoming.first is not None
-                while not incoming.first.wait(POLL_SECONDS):
-                    self._check_store()
-                # The peer is in the step: what it owes comes, or an abort in its place, or its connection fails.
-                while not incoming.stopped and incoming.received <= incoming.index[edge]:
-                    self._take_next(peer, incoming)
+        incoming = self._incoming.get(peer)  # None: a message between this rank's own stages
+        # Message k > 0 not received yet: the stage's thread takes it off the wire, once the first has come
+        # through the receiving thread (see [Note: message order]); message 0 the mailbox waits for.
+        k = incoming.index[edge] if incoming is not None else 0
+        if incoming is not None and k >= max(incoming.received, 1):
+            while not incoming.first.wait(POLL_SECONDS):
+                self._check_store()
+            # The peer is in the step: what it owes comes, or an abort in its place, or its connection fails.
+            while not incoming.stopped and incoming.received <= k:
+                self._take_next(peer, incoming)
         return self.mailbox.take(edge, poll=self._check_store, interval=POLL_SECONDS)
 
     def _check_store(self) -> None:
