@@ -169,6 +169,34 @@ def test_loss_reduction_weights_uneven_microbatches() -> None:
         Pipeline(nn.Sequential(nn.Linear(2, 2)), [1], loss_reduction="max")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_micro_batchs_loss_weight_starts_its_backward_with_the_bits_of_a_weighted_loss(dtype: torch.dtype) -> None:
+    # Story: each micro-batch's loss was multiplied by its weight in the graph (two operations and two backward
+    # nodes per micro-batch, a good part of a small stage's cost); the weight is now the gradient its backward
+    # starts from. The gradient of ``loss * w`` by ``loss`` is ``1 * w``, rounded to the loss's dtype once either
+    # way, so the gradients and the loss keep the very bits of the weighted losses run by hand (exact: the same
+    # kernels on the same micro-batches in the same order, nothing batched differently), also for weights that
+    # are not powers of two (micro-batches of 3, 3 and 1 samples) and a loss of shape (1,).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(7, 4, dtype=dtype), torch.randn(7, 3, dtype=dtype)
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(out, target).reshape(1)
+
+    pipe = Pipeline(model, [2, 1], chunks=3, schedule="1f1b", loss_fn=loss_fn)
+    loss = pipe.step(x, y)
+    weighted = []
+    for xi, yi in zip(x.chunk(3), y.chunk(3)):
+        part = loss_fn(plain(xi), yi).reshape(()) * (len(xi) / len(x))
+        part.backward()
+        weighted.append(part.detach())
+    assert torch.equal(loss, torch.stack(weighted).sum())
+    for (name, p), q in zip(plain.named_parameters(), pipe.parameters()):
+        assert p.grad is not None and q.grad is not None and torch.equal(q.grad, p.grad), name
+
+
 def test_without_loss_fn_the_output_is_the_loss() -> None:
     class Loss(nn.Module):
         def forward(self, x: Tensor) -> Tensor:

@@ -41,10 +41,10 @@ Random numbers drawn inside compiled code that Python does not see (a
 TorchScript module, a C++ extension) come from PyTorch's global generators and
 are not replayed.
 """
+import contextlib
 import math
 import zlib
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, FrozenSet, Generator, List, Optional, Tuple, Type
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, List, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -203,14 +203,15 @@ class RandomStreams(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextmanager
-def streams(seed: Optional[int]) -> Generator[None, None, None]:
-    """Runs the block on random streams of its own seeded from ``seed`` (None: as it is)."""
+def streams(seed: Optional[int]) -> ContextManager[Any]:
+    """Runs the block on random streams of its own seeded from ``seed`` (None: as it is, at no cost: a shared
+    do-nothing context manager, as a task that draws nothing is entered once per action)."""
     if seed is None:
-        yield
-        return
-    with RandomStreams(seed):
-        yield
+        return _AS_IT_IS
+    return RandomStreams(seed)
+
+
+_AS_IT_IS = contextlib.nullcontext()
 
 
 # --- random functions that take no generator: computed from one ---------------------------------------------

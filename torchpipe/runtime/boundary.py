@@ -61,10 +61,9 @@ def own_version(tensor: Tensor) -> Tensor:
     a change of the caller's input between forward and backward is checked
     by the runner instead (see ``StageState.versions``).
     """
-    with torch.no_grad():
-        alias = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
-        alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
-    return alias
+    # A tensor made here requires no grad, so set_ records nothing even with grad enabled: no no_grad needed.
+    alias = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 def alias(leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:

@@ -46,6 +46,11 @@ _NOT_PROFILED = contextlib.nullcontext()
 def run(step: Step, action: Action) -> None:
     """Runs ``action`` of ``step`` on the calling thread, under its device, stream and labels."""
     s, i, kind = action.stage, action.microbatch, action.kind
+    recording = step.timings is not None or trace.active() or _profiler_enabled()
+    if not recording and step.runner.devices[s].type != "cuda":
+        # On CPU with nothing recording there is nothing to enter: the same, at a fraction of the cost per action.
+        _ACTIONS[kind](step, action)
+        return
     label = kind.label
     # record_function costs microseconds even with no profiler: label the action only when one runs.
     profiled = record_function(f"torchpipe/part{s}/mb{i}/{label}") if _profiler_enabled() else _NOT_PROFILED
@@ -122,7 +127,9 @@ def forward(step: Step, action: Action) -> None:
     if s + 1 < runner.stages_count:
         return
     if loss is not None:
-        step.losses[i] = loss.detach()
+        assert step.loss is not None, "a loss is computed only in a step with one"
+        weighted = loss.detach() * step.loss.weights[i]
+        step.losses[i] = weighted.reshape(()) if weighted.dim() else weighted
     else:
         step.results[i] = Batch.of([t.detach() for t in out.values], out.atomic)
         step.output_flags[i] = None if checkpointed else out_flags
@@ -178,7 +185,7 @@ def _run_stage(step: Step, s: int, i: int, inputs: Batch) -> Tuple[Batch, Option
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
         source = "loss_fn" if fn is not None else "the module (with loss_fn=None its output is the loss)"
         raise ValueError(f"{source} must return a single-element tensor, got {what}")
-    return out, loss.reshape(()) * step.loss.weights[i]
+    return out, loss  # unweighted: see [Note: loss weights]
 
 
 def _copy(leaf: Tensor) -> Tensor:
@@ -192,8 +199,15 @@ def _output_roots(step: Step, s: int, i: int, state: StageState) -> Tuple[List[T
     """The stage's outputs (or loss) that join its backward, with their gradients; then its stashed skips'."""
     assert state.outputs is not None, f"{s}B{i} has no graph: its forward ran without grad or was not recomputed"
     if step.loss is not None and s + 1 == step.runner.stages_count:
+        # [Note: loss weights] The step's loss is the sum of the micro-batches' losses, each times its weight
+        # (1/8 of a mean over 8 equal micro-batches, 1 for a sum). The weight is the gradient the backward
+        # starts from, not a multiplication in the graph: the same bits reach the loss's backward (the
+        # gradient of ``loss * w`` by ``loss`` is ``1 * w``, rounded to the loss's dtype once either way)
+        # for two operations and their two backward nodes less per micro-batch. The loss told to the caller
+        # is ``loss * w`` as before, computed without graph.
         (loss,) = state.outputs.values
-        roots, grads = ([loss], [torch.ones_like(loss)]) if loss.requires_grad else ([], [])
+        weight = step.loss.weights[i]
+        roots, grads = ([loss], [torch.full_like(loss, weight)]) if loss.requires_grad else ([], [])
     else:
         source = s + 1 if s + 1 < step.runner.stages_count else step.runner.stages_count  # the caller
         message = step.transport.recv(Edge(EdgeKind.GRADIENT, i, source, s))
