@@ -142,7 +142,8 @@ def split(obj: T, parts: int, dim: int = 0) -> List[T]:
     """
     if parts < 1:
         raise ValueError(f"cannot split into {parts} parts; parts must be a positive int")
-    sizes = {t.size(dim) for t in tensors_of(obj) if t.dim() > 0}
+    tensors = [t for t in tensors_of(obj) if t.dim() > 0]
+    sizes = {t.size(dim) for t in tensors}
     if len(sizes) > 1:
         raise ValueError(
             f"cannot split tensors of different sizes along dim {dim} alike (sizes: {sorted(sizes)}); "
@@ -150,17 +151,18 @@ def split(obj: T, parts: int, dim: int = 0) -> List[T]:
         )
     if not sizes:
         return [obj for _ in range(parts)]
-    (size,) = sizes
-    if size == 0:
+    if sizes == {0}:
         return [obj]
-    count = len(torch.empty(size, 0).chunk(parts))
+    # Each tensor cut once, not once per piece (by identity: the structure holds them while it is rebuilt).
+    cut = {id(t): t.chunk(parts, dim) for t in tensors}
+    count = len(cut[id(tensors[0])])
 
     pieces: List[Any] = []
     for index in range(count):
 
         def take(leaf: Any, index: int = index) -> Any:
             if isinstance(leaf, Tensor) and leaf.dim() > 0:
-                return leaf.chunk(parts, dim)[index]
+                return cut[id(leaf)][index]
             return leaf
 
         pieces.append(map_structure(take, obj))

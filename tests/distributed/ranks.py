@@ -1,5 +1,6 @@
 """What each rank runs in the multi-process tests (called by tests/distributed/launch.py in fresh processes)."""
 import copy
+import datetime
 import os
 import threading
 import time
@@ -154,24 +155,39 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     return report
 
 
-def receive_bug(rank: int, world: int, skip: int) -> Dict[str, Any]:
-    """Rank 1 meets an error of a kind its receive does not expect (a bug, say a TypeError in decoding a
-    header) in the second step, after ``skip`` messages of it decoded well: with 0 on the receiving thread,
-    which takes a peer's first message, with more on the stage's thread, which takes the rest. Every rank
-    reports what it raised and when."""
-    from torchpipe.distributed import wire
+def receive_bug(rank: int, world: int, where: str) -> Dict[str, Any]:
+    """Rank 1 meets an error of a kind its receive does not expect (a bug, a TypeError) in the second step:
+    ``'first'``, in the wait for a peer's first message, on the receiving thread; ``'later'``, in decoding the
+    third message's header, on the stage's thread, which takes every message off the wire. Every rank reports
+    what it raised and when."""
+    from torchpipe.distributed import transport, wire
 
-    decode = wire.decode
-    armed = {"on": False, "skip": skip}
+    armed = {"on": False, "skip": 2}
+
+    def bug() -> TypeError:
+        return TypeError(f"a bug in a receive, on thread {threading.current_thread().name}")
+
+    class BuggyWork:
+        def wait(self, *args: Any) -> bool:
+            raise bug()
+
+    decode, post = wire.decode, transport.DistributedTransport._post_message
 
     def buggy_decode(header: Tensor) -> Any:
-        if armed["on"]:
+        if armed["on"] and where == "later":
             if armed["skip"] == 0:
-                raise TypeError(f"a bug in a receive, on thread {threading.current_thread().name}")
+                raise bug()
             armed["skip"] -= 1
         return decode(header)
 
+    def buggy_post(self: Any, peer: int, k: int, edge: Any) -> Any:
+        posted = post(self, peer, k, edge)
+        if armed["on"] and where == "first" and k == 0:
+            return (posted[0], BuggyWork(), *posted[2:])
+        return posted
+
     wire.decode = buggy_decode  # type: ignore[assignment]
+    transport.DistributedTransport._post_message = buggy_post  # type: ignore[method-assign]
     torch.manual_seed(0)
     pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]), [2, 2], chunks=4, loss_fn=mse,
                     group=dist.group.WORLD)
@@ -221,18 +237,54 @@ def mismatched_modes(rank: int, world: int) -> str:
     return "no error"
 
 
+def start_fails(rank: int, world: int) -> Dict[str, Any]:
+    """The first stage's rank fails before it publishes the second step's start (it forgot its input): the
+    other ranks, blocked in the store on that start, raise; a third step works everywhere."""
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(world)]), [1] * world, chunks=2, loss_fn=mse,
+                    group=dist.group.WORLD)
+    x = torch.randn(4, 6)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    report = {"raised": None}
+    start = time.monotonic()
+    try:
+        pipe.step(None, x if rank == world - 1 else None)  # rank 0's input is missing
+    except (PipelineError, ValueError) as exc:
+        report = {"raised": type(exc).__name__, "message": str(exc)}
+    report["seconds"] = time.monotonic() - start
+    report["next step"] = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+    return report
+
+
+def waits_in_vain(rank: int, world: int) -> Dict[str, Any]:
+    """Rank 1 waits for the second step's start longer than the pipeline's timeout (1 s here): it raises, and so
+    does rank 0, whose step then finds the failure."""
+    pipe = Pipeline(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)), [1, 1], loss_fn=mse, group=dist.group.WORLD)
+    channel = pipe._channel
+    assert channel is not None
+    channel.waits.set_timeout(datetime.timedelta(seconds=1))
+    x = torch.randn(4, 6)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    if rank == 0:
+        time.sleep(3)
+    return _failing_step(pipe, x, rank, world)
+
+
 class SlowStore:
-    """A store whose ``check`` answers late: a rank that polls with it is still polling after the others are done."""
+    """A store that answers late: a rank that uses it still needs the store after the others are done."""
 
     def __init__(self, store: Any, delay: float) -> None:
         self.store, self.delay = store, delay
 
-    def check(self, keys: List[str]) -> bool:
-        time.sleep(self.delay)
-        return bool(self.store.check(keys))
-
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
+        method = getattr(self.store, name)
+
+        def late(*args: Any) -> Any:
+            answer = method(*args)
+            time.sleep(self.delay)
+            return answer
+
+        return late
 
 
 def host_leaves_first(rank: int, world: int) -> float:
@@ -243,7 +295,7 @@ def host_leaves_first(rank: int, world: int) -> float:
     channel = pipe._channel
     assert channel is not None
     if rank != 0:
-        channel.store = SlowStore(channel.store, 0.3)
+        channel.store, channel.waits = SlowStore(channel.store, 0.3), SlowStore(channel.waits, 0.3)
     x = torch.randn(4, 6)
     loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     return float(loss)

@@ -70,16 +70,16 @@ def test_a_rank_that_dies_makes_the_others_raise() -> None:
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize("skip, thread", [(0, "torchpipe-recv-0-to-1"), (2, "MainThread")])
-def test_an_unexpected_error_in_a_receive_ends_the_step_on_every_rank(skip: int, thread: str) -> None:
+@pytest.mark.parametrize("where, thread", [("first", "torchpipe-recv-0-to-1"), ("later", "MainThread")])
+def test_an_unexpected_error_in_a_receive_ends_the_step_on_every_rank(where: str, thread: str) -> None:
     # Story: while making the receiving threads post several messages ahead, a bug in the thread (an
     # AttributeError) left it dead and the mailbox empty: the rank waited for a message forever and its
     # peer with it. The thread only handled the errors of a dead peer (RuntimeError) and of a foreign header
     # (ValueError). Any error of a receive now fails the step, on every rank, naming it: on the receiving
-    # thread, which takes a peer's first message of a step, and on the stage's thread, which takes the rest
-    # (see [Note: message order]). (After a bug the pair's messages may be out of step, as after a dead rank:
-    # the job is to be restarted.)
-    reports = ok(launch("tests.distributed.ranks:receive_bug", 2, timeout=120, skip=skip))
+    # thread, which waits for a peer's first message of a step, and on the stage's thread, which takes every
+    # message off the wire (see [Note: message order]). (After a bug the pair's messages may be out of step,
+    # as after a dead rank: the job is to be restarted.)
+    reports = ok(launch("tests.distributed.ranks:receive_bug", 2, timeout=120, where=where))
     for report in reports:
         assert report["raised"] == "PipelineError", report
         message = report["message"]
@@ -92,6 +92,27 @@ def test_ranks_that_disagree_on_the_mode_both_raise() -> None:
     reports = ok(launch("tests.distributed.ranks:mismatched_modes", 2))
     assert reports[1].startswith("ValueError") and "same mode" in reports[1]
     assert reports[0].startswith("PipelineError") and "same mode" in reports[0]
+
+
+def test_a_failure_before_the_start_wakes_the_ranks_waiting_for_it() -> None:
+    # Story: a rank waits for a step's start (and end) with a read that blocks in the store until the key is
+    # written, instead of polling the store every few hundred microseconds; a rank that fails first writes a
+    # mark into every such key of the step, or the others would wait for a start that never comes.
+    reports = ok(launch("tests.distributed.ranks:start_fails", 3))
+    assert reports[0]["raised"] == "ValueError" and "must pass the mini-batch's input" in reports[0]["message"]
+    for report in reports[1:]:
+        assert report["raised"] == "PipelineError", report
+        assert "rank 0 could not split its input: ValueError" in report["message"], report
+        assert report["seconds"] < 15, report
+    assert reports[0]["next step"] == reports[1]["next step"] == reports[2]["next step"]
+
+
+def test_a_wait_in_the_store_that_outlives_the_timeout_fails_the_step_everywhere() -> None:
+    reports = ok(launch("tests.distributed.ranks:waits_in_vain", 2))
+    assert reports[1]["raised"] == "PipelineError", reports[1]
+    assert "rank 1 waited for the start of replica 0 of step 2 in vain" in reports[1]["message"], reports[1]
+    assert reports[0]["raised"] == "PipelineError", reports[0]
+    assert "rank 1 waited for the start" in reports[0]["message"], reports[0]
 
 
 def test_every_rank_returns_the_loss() -> None:
@@ -118,7 +139,7 @@ def test_a_step_ends_well_when_the_store_host_exits_first() -> None:
     # Story: rank 0 hosts the torch.distributed store. It saw every rank's "done" and returned from its last
     # step, and the job's end took the store down while ranks 2 and 3 still polled it for the step's end:
     # their step failed with "Connection reset by peer" although it had succeeded. Rank 0 now waits until
-    # every rank is through with the store for the step. Here the other ranks poll it slowly, on purpose.
+    # every rank is through with the store for the step. Here the other ranks' store answers late, on purpose.
     losses = ok(launch("tests.distributed.ranks:host_leaves_first", 3))
     assert losses[0] == losses[1] == losses[2]
 

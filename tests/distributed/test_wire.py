@@ -37,10 +37,14 @@ def test_a_packed_message_carries_its_header_and_tensors_bit_for_bit(
     # also of a message without tensors (a concatenation of one piece must not hand back the piece).
     assert buffer.untyped_storage().data_ptr() != header.untyped_storage().data_ptr()
     # What the receiver gets: a buffer of its own (as if from the wire), read as views.
-    received_header, received = wire.unpack(buffer.clone(), layout)
-    decoded = wire.decode(received_header)
+    arrived = buffer.clone()
+    received = wire.unpack(arrived, layout)
+    decoded = wire.decode(arrived)
     assert decoded.kind is wire.Kind.DATA and decoded.atomic == (len(tensors) == 1)
     assert [meta[1] for meta in decoded.tensors if meta is not None] == flags
+    # Decoded headers are cached by their bytes: a header (from encode, or at the start of a packed message)
+    # always decodes to its own layout, never to an earlier message's.
+    assert decoded.layout == layout and wire.decode(header).layout == layout
     # Exact, byte for byte: packing and unpacking copy bytes and do no arithmetic, on any CPU's kernels.
     for sent, got in zip(tensors, received):
         assert got.dtype == sent.dtype and got.shape == sent.shape
@@ -51,7 +55,7 @@ def test_a_packed_tensor_is_a_usable_leaf() -> None:
     # The receiver hands views of the buffer to the stage, which makes them leaves that require grad.
     x = torch.randn(4, 3)
     layout = ((x.dtype, (4, 3)),)
-    _, (got,) = wire.unpack(wire.pack(wire.encode(wire.Kind.DATA, [x], [True]), [x], layout).clone(), layout)
+    (got,) = wire.unpack(wire.pack(wire.encode(wire.Kind.DATA, [x], [True]), [x], layout).clone(), layout)
     leaf = got.detach().requires_grad_(True)
     (leaf * 2).sum().backward()
     # Exact: each gradient entry is 1.0 times 2, which rounds to nothing on any kernel.
@@ -63,7 +67,7 @@ def test_a_filler_has_the_size_of_the_layout_the_receiver_expects() -> None:
     expected = ((torch.float32, (8, 6)), (torch.int64, (8,)))
     filler = wire.pack(wire.encode(wire.Kind.ABORT), None, expected)
     assert filler.numel() == wire.packed_bytes(expected) >= wire.HEADER_LENGTH * 8 + 8 * 6 * 4 + 8 * 8
-    assert wire.decode(wire.unpack(filler, expected)[0]).kind is wire.Kind.ABORT
+    assert wire.decode(filler).kind is wire.Kind.ABORT
 
 
 def test_a_dtype_that_cannot_cross_is_refused_with_the_ones_that_can() -> None:

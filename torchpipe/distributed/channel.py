@@ -6,17 +6,23 @@ ranks and the same store (gloo for headers and CPU tensors, NCCL for CUDA
 tensors), so that nothing it sends can mix with the caller's collectives.
 
 [Note: control plane] What the ranks must agree on besides the tensors goes
-through the ``torch.distributed`` store, where every wait is a short poll that
-also looks for a failure:
+through the ``torch.distributed`` store. A rank waits for a key with a read
+that blocks in the store until the key is there, on a connection of the
+channel's own (no polling: it wakes as soon as the key is written, and spares
+the store's host, one of the ranks at work, a trip every few hundred
+microseconds); a failure writes a mark into every such key not yet written,
+so every blocked rank wakes and reads the failure (a wait that outlives the
+pipeline's timeout fails as well):
 
 - ``start/<n>/<replica>``: the first stage's rank of each replica publishes
   step ``n``'s shape (the micro-batch sizes, and whether it trains) and every
   other rank waits for it (for every replica's, when replicas weigh their
   losses by the total number of samples);
 - ``failed/<n>``: the first rank whose step fails writes who failed, in which
-  action, and why; every wait of every rank of every replica checks it, so
-  every rank ends the step within a poll interval (a rank that dies is noticed
-  by its neighbours, whose receives fail, and they write it);
+  action, and why, then marks every key of the step a rank may be blocked on
+  (start, done, fate); a rank waiting for a message polls it, so every rank
+  ends the step within a poll interval (a rank that dies is noticed by its
+  neighbours, whose receives fail, and they write it);
 - ``ready/<n>`` and ``fate/<n>``: before a step with collectives between
   replicas (or between the holders of a tied parameter), the ranks agree that
   every one of them will run it (:meth:`Channel.commit`);
@@ -49,8 +55,11 @@ except ImportError:  # a build without NCCL (this CPU one): CUDA pipelines acros
 
 __all__ = ["Channel", "PipelineError", "POLL_SECONDS"]
 
-#: How often a waiting rank looks at the store for a failure.
+#: How often a rank waiting for a message looks at the store for a failure.
 POLL_SECONDS = 0.02
+#: What a failure writes into the keys of its step that ranks may be blocked on (see [Note: control plane]):
+#: never a value the ranks publish (those are hexadecimal floats, "commit" or "abort").
+_FAILED = b"failed"
 #: How long rank 0 waits for the other ranks to be through with the store after a step (see [Note: leaving the store]).
 _LEAVE_SECONDS = 10.0
 #: The same after a failed step (a dead rank never says it left).
@@ -116,11 +125,13 @@ class Channel:
         self.store: Any = PrefixStore(self.prefix, _default_store())
         self.device = device
         self.timeout = timeout
+        #: Where a rank waits for keys: a read that blocks holds its connection (see [Note: control plane]).
+        self.waits: Any = _own_connection(self.store, timeout)
         #: Headers and CPU tensors (gloo); CUDA tensors go through ``data`` (NCCL), or the same group on CPU.
         self.control, self.data = self._groups(f"pipeline/{replica}", self.rank, self.size)
         self.sequence = 0
-        # A wait polls the store, more rarely as it goes on, at most this far apart: a barrier ends at most that
-        # late. More ranks poll one store: each polls less often.
+        # Rank 0's wait for the others to leave the store polls it, more rarely as it goes on, at most this far
+        # apart. More ranks poll one store: each polls less often.
         self._longest_pause = min(0.005, 0.0005 * max(1, self.count // 2))
         #: The keys this rank set for each recent step, deleted three steps later (see next_sequence).
         self._mine: Dict[int, List[str]] = {}
@@ -132,6 +143,8 @@ class Channel:
         #: The layout of each message the last time it crossed, by (source rank, target rank, edge) (see
         #: [Note: expected layouts] in torchpipe/distributed/transport.py).
         self.layouts: Dict[Tuple[int, int, Any], Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]] = {}
+        #: The transport's routes of each schedule this rank ran, by the schedule's id (with the schedule).
+        self.routes: Dict[int, Tuple[Any, Any]] = {}
 
     def _groups(self, name: str, rank: int, size: int) -> Tuple[Any, Any]:
         """Process groups of this pipeline's own, named ``name`` (every member passes the same name): gloo for
@@ -170,11 +183,18 @@ class Channel:
     # --- failures ---------------------------------------------------------------------------------------
 
     def fail(self, sequence: int, message: str) -> None:
-        """Records the step's failure, unless another rank's was recorded first."""
-        # compare_set keeps the first failure: later ones (echoes of it) do not overwrite it.
+        """Records the step's failure, unless another rank's was recorded first, and wakes every rank blocked on a
+        key of the step."""
+        # compare_set keeps the first failure: later ones (echoes of it) do not overwrite it. The record first: a
+        # rank that wakes to a mark reads it.
         self._decide(f"failed/{sequence}", message)
         self._decide(f"fate/{sequence}", "abort")  # no-op after a commit (see commit)
-        self._mine.setdefault(sequence, []).extend([f"failed/{sequence}", f"fate/{sequence}"])
+        # The marks go only where nothing was written yet: a start published or a rank's done stand.
+        marked = [f"start/{sequence}/{r}" for r in range(self.replicas)]
+        marked += [f"done/{sequence}/{r}" for r in range(self.count)]
+        for key in marked:
+            self._decide(key, _FAILED.decode())
+        self._mine.setdefault(sequence, []).extend([f"failed/{sequence}", f"fate/{sequence}", *marked])
 
     def failure(self, sequence: int) -> Optional[str]:
         """The recorded failure of step ``sequence``, if any."""
@@ -197,41 +217,33 @@ class Channel:
         """Publishes ``values`` under ``key`` for step ``sequence``, for this replica's ranks (and the others')."""
         self._set(sequence, f"{key}/{sequence}/{self.replica}", _format(values))
 
-    def _wait(self, sequence: int, keys: List[str], keys_first: bool = False) -> None:
-        """Waits until ``keys`` are in the store, looking for a failure of step ``sequence`` as it waits
-        (before looking for the keys; after, with ``keys_first``: what is there is taken even if the step
-        failed since).
+    def _read(self, sequence: int, names: List[str], what: str) -> List[bytes]:
+        """The values under ``names`` of step ``sequence``, read once all are in the store (blocking there: see
+        [Note: control plane]).
 
-        It looks for the keys often at first, then every few milliseconds (the
-        store's own timed wait would do, but logs a warning each time it times
-        out), and for a failure at most every ``POLL_SECONDS`` (each look is a
-        trip to the store, whose host is one of the ranks at work).
+        Raises:
+            PipelineError: a failure was recorded in place of one of them; or the wait outlived the
+                pipeline's timeout, or the store cannot be reached (recorded as this rank's failure).
         """
-        pause = 0.0002
-        looked = -POLL_SECONDS if not keys_first else time.monotonic()
-        while True:
-            if not keys_first and time.monotonic() - looked >= POLL_SECONDS:
-                self.raise_failure(sequence)
-                looked = time.monotonic()
-            try:
-                if self.store.check(keys):
-                    return
-            except RuntimeError as exc:
-                raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
-            if keys_first and time.monotonic() - looked >= POLL_SECONDS:
-                self.raise_failure(sequence)
-                looked = time.monotonic()
-            time.sleep(pause)
-            pause = min(pause * 2, self._longest_pause)
+        try:
+            values = [bytes(value) for value in self.waits.multi_get(names)]
+        except RuntimeError as exc:  # the timeout (the store's own error), or the store's host died
+            message = f"rank {self.index} waited for {what} of step {sequence} in vain: {exc}"
+            self.fail(sequence, message)
+            raise PipelineError(self.failure(sequence) or message) from None
+        if _FAILED in values:
+            raise PipelineError(self.failure(sequence) or "another rank's step failed")
+        return values
 
     def wait_for(self, sequence: int, key: str, replica: Optional[int] = None) -> List[float]:
         """The values published under ``key`` for step ``sequence`` by a rank of ``replica`` (default: this
         one's), once they are there (or a failure)."""
-        name = f"{key}/{sequence}/{self.replica if replica is None else replica}"
-        # Keys first: a rank that published the step's start and then failed at once has sent, or will send,
-        # abort messages to this one, whose step must then start and take them (see [Note: abort messages]).
-        self._wait(sequence, [name], keys_first=True)
-        return _parse(self.store.get(name))
+        replica = self.replica if replica is None else replica
+        # What is there is taken even if the step failed since: a rank that published the step's start and then
+        # failed at once has sent, or will send, abort messages to this one, whose step must then start and
+        # take them (see [Note: abort messages]).
+        (value,) = self._read(sequence, [f"{key}/{sequence}/{replica}"], f"the {key} of replica {replica}")
+        return _parse(value)
 
     def exchange(self, values: Sequence[float]) -> List[List[float]]:
         """Every rank's ``values`` (of every replica), in the mesh's rank order; a collective, through the
@@ -239,8 +251,7 @@ class Channel:
         sequence = self.next_sequence()
         self._set(sequence, f"exchange/{sequence}/{self.index}", _format(values))
         names = [f"exchange/{sequence}/{r}" for r in range(self.count)]
-        self._wait(sequence, names)
-        every = [_parse(self.store.get(name)) for name in names]
+        every = [_parse(value) for value in self._read(sequence, names, "every rank's values")]
         self._leave(sequence)  # see [Note: leaving the store]
         return every
 
@@ -265,16 +276,7 @@ class Channel:
             self._mine.setdefault(sequence, []).extend([f"ready/{sequence}", fate])
         if int(self.store.add(f"ready/{sequence}", 1)) == self.count:
             self._decide(fate, "commit")
-        pause = 0.0002
-        while True:
-            try:
-                if self.store.check([fate]):
-                    break
-            except RuntimeError as exc:
-                raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
-            time.sleep(pause)
-            pause = min(pause * 2, self._longest_pause)
-        if bytes(self.store.get(fate)) != b"commit":
+        if self._read(sequence, [fate], "every rank's commitment") != [b"commit"]:
             raise PipelineError(self.failure(sequence) or "another rank's step failed")
 
     def _decide(self, key: str, value: str) -> None:
@@ -292,15 +294,11 @@ class Channel:
         """
         self._set(sequence, f"done/{sequence}/{self.index}", _format(values))
         names = [f"done/{sequence}/{r}" for r in range(self.count)]
-        # Keys first: a rank whose step fails never says it is done, so once every rank has, the step
-        # succeeded, and the look for a failure (a trip to the store) is spared.
-        self._wait(sequence, names, keys_first=True)
-        try:
-            every = [_parse(value) for value in self.store.multi_get(names)] if read else []
-        except RuntimeError as exc:
-            raise PipelineError(f"the torch.distributed store cannot be reached ({exc})") from None
+        # A rank whose step fails never says it is done: a failure marks its key instead. Once every rank has
+        # said so, the step succeeded, whatever a failure recorded since says.
+        every = self._read(sequence, names, "every rank's end")
         self._leave(sequence)
-        return every
+        return [_parse(value) for value in every] if read else []
 
     def leave_failed(self, sequence: int) -> None:
         """After a failed step, once this rank has read the failure: see [Note: leaving the store]."""
@@ -334,6 +332,18 @@ class Channel:
                 return
             time.sleep(pause)
             pause = min(pause * 2, self._longest_pause)
+
+
+def _own_connection(store: Any, timeout: datetime.timedelta) -> Any:
+    """A connection to ``store`` for the channel's waits, with the pipeline's timeout: a clone of it (a read that
+    blocks holds its connection, which no other thread of the process then waits behind), or ``store`` itself
+    where this PyTorch cannot clone one (its timeout then stays the store's)."""
+    try:
+        own = store.clone()
+    except (AttributeError, RuntimeError):  # torch without Store.clone, or a store that cannot be cloned
+        return store
+    own.set_timeout(timeout)
+    return own
 
 
 def _format(values: Sequence[float]) -> str:

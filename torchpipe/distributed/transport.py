@@ -16,17 +16,20 @@ Who waits for a message: a receive over gloo cannot be waited for with a
 time limit (gloo's timeout breaks the whole group) nor asked whether it is
 done, so a wait for a peer that may never send must be a thread's, while the
 stage polls the store for failures. That is the peer's first message of the
-step, which a receiving thread takes (the peer may have failed before it
-began the step: a rank that disagreed on the step's mode). Once it has come,
-the peer is in the step, and for every receive posted it sends the message,
-or an abort in its place (see [Note: abort messages]), or its death closes
-the connection: the stage's own thread takes the rest off the wire when its
-actions need them. A hop between threads less per message: each was two
-wake-ups on busy cores, 0.2 to 0.4 ms in the timeline of a two-rank step on
-two cores. After a failure the receiving thread again takes what the peers
-still send (:meth:`DistributedTransport.fail`). The threads live as long as
-the pipeline (one per peer), each step handing them its jobs: a thread
-started and joined per step cost the step 0.25 to 0.6 ms on two busy cores.
+step, for whose header a receiving thread waits (the peer may have failed
+before it began the step: a rank that disagreed on the step's mode). Once it
+has come, the peer is in the step, and for every receive posted it sends the
+message, or an abort in its place (see [Note: abort messages]), or its death
+closes the connection: the stage's own thread posts the receives and takes
+every message off the wire when its actions need them, the first included.
+A hop between threads less per message: each was two wake-ups on busy
+cores, 0.2 to 0.4 ms in the timeline of a two-rank step on two cores; and a
+receiving thread that ran Python while the stage made its step ready held
+the GIL the stage needed. After a failure the receiving thread again takes
+what the peers still send (:meth:`DistributedTransport.fail`). The threads
+live as long as the pipeline (one per peer), each step handing them its
+jobs: a thread started and joined per step cost the step 0.25 to 0.6 ms on
+two busy cores.
 
 Posting ahead is what makes a message cheap: gloo moves a message only once
 its receive is posted, so a receive posted after its send costs the pair
@@ -79,7 +82,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -89,6 +92,7 @@ from torchpipe.distributed import wire
 from torchpipe.distributed.channel import POLL_SECONDS, Channel, PipelineError
 from torchpipe.runtime.transport import Edge, EdgeKind, Mailbox, Message
 from torchpipe.schedule import Action, Schedule
+from torchpipe.stream import use_device
 
 __all__ = ["DistributedTransport", "message_orders", "AHEAD"]
 
@@ -115,6 +119,35 @@ def message_orders(
                 if target != w:
                     orders.setdefault((w, target), []).append(edge)
     return orders
+
+
+class _Routes(NamedTuple):
+    """A schedule's messages as one rank sees them (see [Note: message order]): per peer it sends to, the
+    messages in order and each one's position; per peer it receives from, the same."""
+
+    outgoing: Dict[int, List[Edge]]
+    sent_at: Dict[int, Dict[Edge, int]]
+    incoming: Dict[int, Tuple[List[Edge], Dict[Edge, int]]]
+
+
+def _routes(channel: Channel, schedule: Schedule, sends: Mapping[Action, Tuple[Edge, ...]]) -> _Routes:
+    """``schedule``'s routes on ``channel``'s rank, made once per schedule (every step of a shape has the same;
+    making them was a tenth of a millisecond a step)."""
+    cached = channel.routes.get(id(schedule))
+    if cached is not None and cached[0] is schedule:
+        return cast(_Routes, cached[1])
+    orders = message_orders(schedule, sends)
+    outgoing = {peer: edges for (source, peer), edges in orders.items() if source == channel.rank}
+    incoming = {peer: edges for (peer, target), edges in orders.items() if target == channel.rank}
+    routes = _Routes(
+        outgoing,
+        {peer: {edge: k for k, edge in enumerate(edges)} for peer, edges in outgoing.items()},
+        {peer: (edges, {edge: k for k, edge in enumerate(edges)}) for peer, edges in incoming.items()},
+    )
+    if len(channel.routes) >= 16:  # schedules a tuner replaced, or shapes not seen for long
+        channel.routes.clear()
+    channel.routes[id(schedule)] = (schedule, routes)  # the schedule kept: its id is not reused meanwhile
+    return routes
 
 
 #: A message's receives as posted: the header's buffer and work, the layout guessed, and the tensors' buffers
@@ -213,19 +246,22 @@ class _Incoming:
     """What one peer sends this rank in a step, as it comes off the wire, in order (see [Note: message
     order]): the receives posted, and how many messages have been received."""
 
-    #: Set once the receiving thread has taken the first message (or failed to): its job's end.
+    #: Set once the first message's header came (or the wait for it failed): its receiving thread's job's end.
     first: threading.Event
 
-    def __init__(self, edges: List[Edge], thread: _ReceivingThread) -> None:
+    def __init__(self, edges: List[Edge], index: Dict[Edge, int], thread: _ReceivingThread) -> None:
         self.edges = edges
-        self.index = {edge: k for k, edge in enumerate(edges)}
+        self.index = index
         #: The receives posted for the next messages, in order.
         self.posted: Deque[_Posted] = collections.deque()
         #: The number of messages received (left in the mailbox).
         self.received = 0
         #: Whether nothing more comes: the peer aborted, or its connection failed.
         self.stopped = False
-        #: The thread that takes the first message (and, after a failure, drains the rest).
+        #: Whether the receiving thread saw the first message's header come (a gloo receive is waited for once:
+        #: a second wait waits for another message).
+        self.first_came = False
+        #: The thread that waits for the first message (and, after a failure, drains the rest).
         self.thread = thread
 
 
@@ -256,12 +292,12 @@ class DistributedTransport:
         self.mailbox = Mailbox()
         self._aborted = False
         self._failed = False
-        orders = message_orders(schedule, sends)
+        routes = _routes(channel, schedule, sends)
         base = (sequence % 512) * _TAGS_PER_STEP * 2
         self._base = base
         #: Per peer, what this rank sends it, in order, and how many of them it has sent.
-        self._outgoing = {peer: edges for (source, peer), edges in orders.items() if source == self.rank}
-        self._index = {peer: {edge: k for k, edge in enumerate(edges)} for peer, edges in self._outgoing.items()}
+        self._outgoing = routes.outgoing
+        self._index = routes.sent_at
         self._sent = {peer: 0 for peer in self._outgoing}
         #: Sends in flight: the peer, the works, and the tensors they read (kept alive until they end).
         self._pending: List[Tuple[int, List[Any], List[Tensor]]] = []
@@ -269,12 +305,11 @@ class DistributedTransport:
         #: which is also where receives may be posted AHEAD (over NCCL, one). The same on every rank.
         self._packed = channel.device.type != "cuda"
         self._ahead = AHEAD if self._packed else 1
-        #: Per peer that sends this rank messages, what it sends; its receiving thread takes the first.
+        #: Per peer that sends this rank messages, what it sends; its receiving thread waits for the first.
         self._incoming: Dict[int, _Incoming] = {}
-        for (peer, target), edges in orders.items():
-            if target == self.rank:
-                incoming = self._incoming[peer] = _Incoming(edges, _receiving_thread(channel, peer))
-                incoming.first = incoming.thread.start(functools.partial(self._receive_first, peer, incoming))
+        for peer, (edges, index) in routes.incoming.items():
+            incoming = self._incoming[peer] = _Incoming(edges, index, _receiving_thread(channel, peer))
+            incoming.first = self._post_first(peer, incoming)
         #: The ends of the receiving threads' jobs: the first messages', then, after a failure, the drains'.
         self._jobs = [incoming.first for incoming in self._incoming.values()]
         # The step's start looked at the store (or will, waiting for it): the first look for a failure waits.
@@ -356,13 +391,13 @@ class DistributedTransport:
     def recv(self, edge: Edge) -> Message:
         peer = self.stage_workers[edge.source]
         incoming = self._incoming.get(peer)  # None: a message between this rank's own stages
-        # Message k > 0 not received yet: the stage's thread takes it off the wire, once the first has come
-        # through the receiving thread (see [Note: message order]); message 0 the mailbox waits for.
-        k = incoming.index[edge] if incoming is not None else 0
-        if incoming is not None and k >= max(incoming.received, 1):
+        # A message not received yet: the stage's thread takes it off the wire, once the first has come (the
+        # receiving thread waits for that one, while this thread polls the store: see [Note: message order]).
+        if incoming is not None and incoming.index[edge] >= incoming.received:
             while not incoming.first.wait(POLL_SECONDS):
                 self._check_store()
             # The peer is in the step: what it owes comes, or an abort in its place, or its connection fails.
+            k = incoming.index[edge]
             while not incoming.stopped and incoming.received <= k:
                 self._take_next(peer, incoming)
         return self.mailbox.take(edge, poll=self._check_store, interval=POLL_SECONDS)
@@ -434,18 +469,34 @@ class DistributedTransport:
     def _tag(self, k: int, part: int) -> int:
         return self._base + 2 * k + part
 
-    def _receive_first(self, peer: int, incoming: _Incoming) -> None:
-        """The receiving thread's job for ``peer`` in a step: posts the receives of its first :data:`AHEAD`
-        messages and takes the first off the wire (see [Note: message order])."""
-        if self.devices and self.devices[0].type == "cuda":
-            torch.cuda.set_device(self.devices[0])  # this thread's current device, for NCCL's receives
+    def _post_first(self, peer: int, incoming: _Incoming) -> threading.Event:
+        """Posts the receives of ``peer``'s first :data:`AHEAD` messages and hands the wait for the first to the
+        peer's receiving thread (see [Note: message order]); the event is set once it came, or failed.
+
+        The stage's thread posts them, as it posts the later ones: a receiving thread that did, in Python, while
+        the stage's thread made the step ready, held the GIL it needed (a tenth of a millisecond and more a
+        step on two busy cores)."""
         try:
-            for k in range(min(self._ahead, len(incoming.edges))):
-                incoming.posted.append(self._post_message(peer, k, incoming.edges[k]))
+            with use_device(self.channel.device):  # NCCL's receives go to this rank's GPU
+                for k in range(min(self._ahead, len(incoming.edges))):
+                    incoming.posted.append(self._post_message(peer, k, incoming.edges[k]))
         except Exception as exc:
             self._stop(peer, incoming, exc)
-            return
-        self._take_next(peer, incoming)
+            ended = threading.Event()
+            ended.set()
+            return ended
+        header_work = incoming.posted[0][1]
+        return incoming.thread.start(functools.partial(self._await_first, peer, incoming, header_work))
+
+    def _await_first(self, peer: int, incoming: _Incoming, header_work: Any) -> None:
+        """The receiving thread's job for ``peer`` in a step: waits until its first message's header came (the
+        stage's thread takes it); a failure it leaves in the mailbox and the store at once, for a stage that waits
+        for another peer's message."""
+        try:
+            header_work.wait()
+            incoming.first_came = True
+        except Exception as exc:
+            self._stop(peer, incoming, exc)
 
     def _drain(self, peer: int, incoming: _Incoming) -> None:
         """After this rank's failure, on the receiving thread: takes what ``peer`` still sends off the wire, up to
@@ -460,11 +511,9 @@ class DistributedTransport:
         edge = incoming.edges[k]
         try:
             header, header_work, expected, guessed = incoming.posted.popleft()
-            header_work.wait()
-            packed: List[Tensor] = []
-            if self._packed:
-                header, packed = wire.unpack(header, expected)
-            decoded = wire.decode(header)
+            if k > 0 or not incoming.first_came:
+                header_work.wait()
+            decoded = wire.decode(header)  # a packed message starts with its header
             if decoded.kind is wire.Kind.ABORT:
                 _wait_all(guessed)
                 for _, later_header, _, later_guessed in incoming.posted:  # aborts too, on their way
@@ -475,9 +524,11 @@ class DistributedTransport:
                 self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
                 return
             key = (peer, self.rank, edge)
-            layout = tuple((dtype, shape) for dtype, _, shape in filter(None, decoded.tensors))
-            received = _wait_all(guessed) if not self._packed else packed
-            if layout != expected:  # what came were fillers (see [Note: expected layouts])
+            layout = decoded.layout
+            if layout == expected:
+                received = wire.unpack(header, layout) if self._packed else _wait_all(guessed)
+            else:  # what came were fillers (see [Note: expected layouts])
+                _wait_all(guessed)
                 received = _wait_all(self._post_receives(peer, k, layout, self.devices[edge.target]))
             self.channel.layouts[key] = layout
             if decoded.kind is wire.Kind.NOT_STASHED:
@@ -485,8 +536,7 @@ class DistributedTransport:
             else:
                 values = iter(received)
                 tensors = [None if meta is None else next(values) for meta in decoded.tensors]
-                flags = tuple(meta is not None and meta[1] for meta in decoded.tensors)
-                self.mailbox.put(edge, Message(tensors, flags, decoded.atomic))
+                self.mailbox.put(edge, Message(tensors, decoded.requires_grad, decoded.atomic))
             incoming.received = k + 1
             # Only now the next message's receives: over NCCL nothing may be posted between this message's
             # fillers and its real tensors.

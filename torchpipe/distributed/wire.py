@@ -10,6 +10,7 @@ message is, so a shorter sequence or an uneven last micro-batch can never be
 received into a stale buffer (see [Note: expected layouts] in
 ``distributed/transport.py``).
 """
+import ctypes
 import enum
 import functools
 import math
@@ -22,6 +23,7 @@ __all__ = ["HEADER_LENGTH", "Kind", "Header", "encode", "decode", "DTYPES", "Lay
 
 #: int64 entries in a header.
 HEADER_LENGTH = 256
+_HEADER_BYTES = HEADER_LENGTH * 8
 
 #: The dtypes a message may carry, by code (the position in this tuple).
 DTYPES: Tuple[torch.dtype, ...] = (
@@ -31,6 +33,10 @@ DTYPES: Tuple[torch.dtype, ...] = (
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 _SIZES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES}
 _MAGIC = 0x70697065  # "pipe"
+
+
+#: A message's layout: the dtype and shape of each tensor it carries (absent ones left out).
+Layout = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
 
 
 class Kind(enum.IntEnum):
@@ -45,17 +51,22 @@ class Kind(enum.IntEnum):
 
 
 class Header:
-    """A decoded header: the kind, whether the value is a single tensor, and per tensor its metadata."""
+    """A decoded header: the kind, whether the value is a single tensor, and per tensor its metadata (shared by
+    every message with the same header: read it, never change it)."""
 
-    __slots__ = ("kind", "atomic", "tensors")
+    __slots__ = ("kind", "atomic", "tensors", "layout", "requires_grad")
 
     def __init__(
-        self, kind: Kind, atomic: bool, tensors: List[Optional[Tuple[torch.dtype, bool, Tuple[int, ...]]]]
+        self, kind: Kind, atomic: bool, tensors: Tuple[Optional[Tuple[torch.dtype, bool, Tuple[int, ...]]], ...]
     ) -> None:
         self.kind = kind
         self.atomic = atomic
         #: Per tensor: None (absent), or (dtype, requires_grad, shape).
         self.tensors = tensors
+        #: The dtype and shape of each tensor present: what the message carries.
+        self.layout: Layout = tuple((dtype, shape) for dtype, _, shape in filter(None, tensors))
+        #: Per tensor: whether the receiving leaf requires grad (False where absent).
+        self.requires_grad = tuple(meta is not None and meta[1] for meta in tensors)
 
 
 def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: Sequence[bool] = (),
@@ -95,13 +106,23 @@ def _header(values: Tuple[int, ...]) -> Tensor:
     return header
 
 
-def decode(header: Tensor) -> Header:
-    """The :class:`Header` in ``header`` (as :func:`encode` wrote it).
+def decode(message: Tensor) -> Header:
+    """The :class:`Header` at the start of ``message``: a header as :func:`encode` made it, or a packed message
+    (a CPU tensor either way, received whole).
 
     Raises:
         ValueError: it is not a torchpipe header (the ranks are out of step).
     """
-    values = header.tolist()
+    assert message.device.type == "cpu" and message.is_contiguous(), "a header is read from CPU memory"
+    assert message.numel() * message.element_size() >= _HEADER_BYTES, "a message starts with a whole header"
+    # The header's bytes name it: a message's header seldom changes between micro-batches and steps, so each
+    # is decoded once (a copy of 2 KiB and a look-up, in place of 256 integers made Python objects).
+    return _decoded(ctypes.string_at(message.data_ptr(), _HEADER_BYTES))
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(raw: bytes) -> Header:
+    values = memoryview(raw).cast("q").tolist()  # int64 in this machine's byte order, as the sender wrote them
     if values[0] != _MAGIC:
         raise ValueError("received a message that is not a torchpipe header: the ranks' schedules disagree")
     kind, atomic, count = Kind(values[1]), bool(values[2]), values[3]
@@ -116,11 +137,8 @@ def decode(header: Tensor) -> Header:
         shape = tuple(int(v) for v in values[position + 4 : position + 4 + ndim])
         tensors.append((DTYPES[code], bool(flag), shape))
         position += 4 + ndim
-    return Header(kind, atomic, tensors)
+    return Header(kind, atomic, tuple(tensors))
 
-
-#: A message's layout: the dtype and shape of each tensor it carries (absent ones left out).
-Layout = Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
 
 #: Where a packed message's tensors start: on this boundary (a multiple of every dtype's size).
 _ALIGN = 64
@@ -172,10 +190,10 @@ def _padding(size: int) -> Tensor:
     return torch.zeros(size, dtype=torch.uint8)
 
 
-def unpack(buffer: Tensor, layout: Layout) -> Tuple[Tensor, List[Tensor]]:
-    """The header and the tensors (of ``layout``) of a packed message: views of ``buffer``, no copies."""
+def unpack(buffer: Tensor, layout: Layout) -> List[Tensor]:
+    """The tensors (of ``layout``) of a packed message: views of ``buffer``, no copies (its header
+    :func:`decode` reads from the buffer itself)."""
     extents, _ = _extents(layout)
-    tensors = [
+    return [
         buffer[start : start + size].view(dtype).view(shape) for (dtype, shape), (start, size) in zip(layout, extents)
     ]
-    return buffer[: HEADER_LENGTH * 8].view(torch.int64), tensors
