@@ -156,13 +156,13 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
 
 
 def receive_bug(rank: int, world: int, where: str) -> Dict[str, Any]:
-    """Rank 1 meets an error of a kind its receive does not expect (a bug, a TypeError) in the second step:
-    ``'first'``, in the wait for a peer's first message, on the receiving thread; ``'later'``, in decoding the
-    third message's header, on the stage's thread, which takes every message off the wire. Every rank reports
-    what it raised and when."""
+    """Rank 1 meets an error of a kind its receive does not expect (a bug, a TypeError) in the second step, on
+    the receiving thread, which takes a peer's first message (``'first'``: in the wait for it; ``'decode
+    first'``: in decoding its header), or on the stage's thread, which takes the rest (``'later'``: in decoding
+    the third message's header). Every rank reports what it raised and when."""
     from torchpipe.distributed import transport, wire
 
-    armed = {"on": False, "skip": 2}
+    armed = {"on": False, "skip": 0 if where == "decode first" else 2}
 
     def bug() -> TypeError:
         return TypeError(f"a bug in a receive, on thread {threading.current_thread().name}")
@@ -174,7 +174,7 @@ def receive_bug(rank: int, world: int, where: str) -> Dict[str, Any]:
     decode, post = wire.decode, transport.DistributedTransport._post_message
 
     def buggy_decode(header: Tensor) -> Any:
-        if armed["on"] and where == "later":
+        if armed["on"] and where != "first":
             if armed["skip"] == 0:
                 raise bug()
             armed["skip"] -= 1

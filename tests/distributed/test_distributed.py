@@ -70,15 +70,18 @@ def test_a_rank_that_dies_makes_the_others_raise() -> None:
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize("where, thread", [("first", "torchpipe-recv-0-to-1"), ("later", "MainThread")])
+@pytest.mark.parametrize(
+    "where, thread", [("first", "torchpipe-recv-0-to-1"), ("decode first", "torchpipe-recv-0-to-1"),
+                      ("later", "MainThread")]
+)
 def test_an_unexpected_error_in_a_receive_ends_the_step_on_every_rank(where: str, thread: str) -> None:
     # Story: while making the receiving threads post several messages ahead, a bug in the thread (an
     # AttributeError) left it dead and the mailbox empty: the rank waited for a message forever and its
     # peer with it. The thread only handled the errors of a dead peer (RuntimeError) and of a foreign header
     # (ValueError). Any error of a receive now fails the step, on every rank, naming it: on the receiving
-    # thread, which waits for a peer's first message of a step, and on the stage's thread, which takes every
-    # message off the wire (see [Note: message order]). (After a bug the pair's messages may be out of step,
-    # as after a dead rank: the job is to be restarted.)
+    # thread, which takes a peer's first message of a step, and on the stage's thread, which takes the rest
+    # (see [Note: message order]). (After a bug the pair's messages may be out of step, as after a dead rank:
+    # the job is to be restarted.)
     reports = ok(launch("tests.distributed.ranks:receive_bug", 2, timeout=120, where=where))
     for report in reports:
         assert report["raised"] == "PipelineError", report

@@ -16,20 +16,20 @@ Who waits for a message: a receive over gloo cannot be waited for with a
 time limit (gloo's timeout breaks the whole group) nor asked whether it is
 done, so a wait for a peer that may never send must be a thread's, while the
 stage polls the store for failures. That is the peer's first message of the
-step, for whose header a receiving thread waits (the peer may have failed
-before it began the step: a rank that disagreed on the step's mode). Once it
-has come, the peer is in the step, and for every receive posted it sends the
-message, or an abort in its place (see [Note: abort messages]), or its death
-closes the connection: the stage's own thread posts the receives and takes
-every message off the wire when its actions need them, the first included.
-A hop between threads less per message: each was two wake-ups on busy
-cores, 0.2 to 0.4 ms in the timeline of a two-rank step on two cores; and a
-receiving thread that ran Python while the stage made its step ready held
-the GIL the stage needed. After a failure the receiving thread again takes
-what the peers still send (:meth:`DistributedTransport.fail`). The threads
-live as long as the pipeline (one per peer), each step handing them its
-jobs: a thread started and joined per step cost the step 0.25 to 0.6 ms on
-two busy cores.
+step, which a receiving thread takes (the peer may have failed before it
+began the step: a rank that disagreed on the step's mode). Once it has come,
+the peer is in the step, and for every receive posted it sends the message,
+or an abort in its place (see [Note: abort messages]), or its death closes
+the connection: the stage's own thread takes the rest off the wire when its
+actions need them. A hop between threads less per message: each was two
+wake-ups on busy cores, 0.2 to 0.4 ms in the timeline of a two-rank step on
+two cores. The receiving thread also posts the first :data:`AHEAD` receives,
+while the stage makes its step ready: the stage's thread doing it (and
+taking the first message itself) made a two-rank step 1 to 2.5 ms slower.
+After a failure the receiving thread again takes what the peers still send
+(:meth:`DistributedTransport.fail`). The threads live as long as the
+pipeline (one per peer), each step handing them its jobs: a thread started
+and joined per step cost the step 0.25 to 0.6 ms on two busy cores.
 
 Posting ahead is what makes a message cheap: gloo moves a message only once
 its receive is posted, so a receive posted after its send costs the pair
@@ -92,7 +92,6 @@ from torchpipe.distributed import wire
 from torchpipe.distributed.channel import POLL_SECONDS, Channel, PipelineError
 from torchpipe.runtime.transport import Edge, EdgeKind, Mailbox, Message
 from torchpipe.schedule import Action, Schedule
-from torchpipe.stream import use_device
 
 __all__ = ["DistributedTransport", "message_orders", "AHEAD"]
 
@@ -246,7 +245,7 @@ class _Incoming:
     """What one peer sends this rank in a step, as it comes off the wire, in order (see [Note: message
     order]): the receives posted, and how many messages have been received."""
 
-    #: Set once the first message's header came (or the wait for it failed): its receiving thread's job's end.
+    #: Set once the receiving thread has taken the first message (or failed to): its job's end.
     first: threading.Event
 
     def __init__(self, edges: List[Edge], index: Dict[Edge, int], thread: _ReceivingThread) -> None:
@@ -258,10 +257,7 @@ class _Incoming:
         self.received = 0
         #: Whether nothing more comes: the peer aborted, or its connection failed.
         self.stopped = False
-        #: Whether the receiving thread saw the first message's header come (a gloo receive is waited for once:
-        #: a second wait waits for another message).
-        self.first_came = False
-        #: The thread that waits for the first message (and, after a failure, drains the rest).
+        #: The thread that takes the first message (and, after a failure, drains the rest).
         self.thread = thread
 
 
@@ -305,11 +301,11 @@ class DistributedTransport:
         #: which is also where receives may be posted AHEAD (over NCCL, one). The same on every rank.
         self._packed = channel.device.type != "cuda"
         self._ahead = AHEAD if self._packed else 1
-        #: Per peer that sends this rank messages, what it sends; its receiving thread waits for the first.
+        #: Per peer that sends this rank messages, what it sends; its receiving thread takes the first.
         self._incoming: Dict[int, _Incoming] = {}
         for peer, (edges, index) in routes.incoming.items():
             incoming = self._incoming[peer] = _Incoming(edges, index, _receiving_thread(channel, peer))
-            incoming.first = self._post_first(peer, incoming)
+            incoming.first = incoming.thread.start(functools.partial(self._receive_first, peer, incoming))
         #: The ends of the receiving threads' jobs: the first messages', then, after a failure, the drains'.
         self._jobs = [incoming.first for incoming in self._incoming.values()]
         # The step's start looked at the store (or will, waiting for it): the first look for a failure waits.
@@ -391,9 +387,9 @@ class DistributedTransport:
     def recv(self, edge: Edge) -> Message:
         peer = self.stage_workers[edge.source]
         incoming = self._incoming.get(peer)  # None: a message between this rank's own stages
-        # A message not received yet: the stage's thread takes it off the wire, once the first has come (the
-        # receiving thread waits for that one, while this thread polls the store: see [Note: message order]).
-        if incoming is not None and incoming.index[edge] >= incoming.received:
+        # Message k > 0 not received yet: the stage's thread takes it off the wire, once the first has come
+        # through the receiving thread (see [Note: message order]); message 0 the mailbox waits for.
+        if incoming is not None and incoming.index[edge] >= max(incoming.received, 1):
             while not incoming.first.wait(POLL_SECONDS):
                 self._check_store()
             # The peer is in the step: what it owes comes, or an abort in its place, or its connection fails.
@@ -469,34 +465,18 @@ class DistributedTransport:
     def _tag(self, k: int, part: int) -> int:
         return self._base + 2 * k + part
 
-    def _post_first(self, peer: int, incoming: _Incoming) -> threading.Event:
-        """Posts the receives of ``peer``'s first :data:`AHEAD` messages and hands the wait for the first to the
-        peer's receiving thread (see [Note: message order]); the event is set once it came, or failed.
-
-        The stage's thread posts them, as it posts the later ones: a receiving thread that did, in Python, while
-        the stage's thread made the step ready, held the GIL it needed (a tenth of a millisecond and more a
-        step on two busy cores)."""
+    def _receive_first(self, peer: int, incoming: _Incoming) -> None:
+        """The receiving thread's job for ``peer`` in a step: posts the receives of its first :data:`AHEAD`
+        messages and takes the first off the wire (see [Note: message order])."""
+        if self.channel.device.type == "cuda":
+            torch.cuda.set_device(self.channel.device)  # this thread's current device, for NCCL's receives
         try:
-            with use_device(self.channel.device):  # NCCL's receives go to this rank's GPU
-                for k in range(min(self._ahead, len(incoming.edges))):
-                    incoming.posted.append(self._post_message(peer, k, incoming.edges[k]))
+            for k in range(min(self._ahead, len(incoming.edges))):
+                incoming.posted.append(self._post_message(peer, k, incoming.edges[k]))
         except Exception as exc:
             self._stop(peer, incoming, exc)
-            ended = threading.Event()
-            ended.set()
-            return ended
-        header_work = incoming.posted[0][1]
-        return incoming.thread.start(functools.partial(self._await_first, peer, incoming, header_work))
-
-    def _await_first(self, peer: int, incoming: _Incoming, header_work: Any) -> None:
-        """The receiving thread's job for ``peer`` in a step: waits until its first message's header came (the
-        stage's thread takes it); a failure it leaves in the mailbox and the store at once, for a stage that waits
-        for another peer's message."""
-        try:
-            header_work.wait()
-            incoming.first_came = True
-        except Exception as exc:
-            self._stop(peer, incoming, exc)
+            return
+        self._take_next(peer, incoming)
 
     def _drain(self, peer: int, incoming: _Incoming) -> None:
         """After this rank's failure, on the receiving thread: takes what ``peer`` still sends off the wire, up to
@@ -511,8 +491,7 @@ class DistributedTransport:
         edge = incoming.edges[k]
         try:
             header, header_work, expected, guessed = incoming.posted.popleft()
-            if k > 0 or not incoming.first_came:
-                header_work.wait()
+            header_work.wait()
             decoded = wire.decode(header)  # a packed message starts with its header
             if decoded.kind is wire.Kind.ABORT:
                 _wait_all(guessed)
