@@ -228,7 +228,8 @@ class Channel:
         try:
             values = [bytes(value) for value in self.waits.multi_get(names)]
         except RuntimeError as exc:  # the timeout (the store's own error), or the store's host died
-            message = f"rank {self.index} waited for {what} of step {sequence} in vain: {exc}"
+            who = f"{self.rank}" if self.replicas == 1 else f"{self.rank} of replica {self.replica}"
+            message = f"rank {who} waited for {what} of step {sequence} in vain: {exc}"
             self.fail(sequence, message)
             raise PipelineError(self.failure(sequence) or message) from None
         if _FAILED in values:
