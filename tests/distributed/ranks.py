@@ -237,12 +237,16 @@ def mismatched_modes(rank: int, world: int) -> str:
     return "no error"
 
 
-def start_fails(rank: int, world: int) -> Dict[str, Any]:
+def start_fails(rank: int, world: int, shared: bool = False) -> Dict[str, Any]:
     """The first stage's rank fails before it publishes the second step's start (it forgot its input): the
-    other ranks, blocked in the store on that start, raise; a third step works everywhere."""
+    other ranks, blocked in the store on that start, raise; a third step works everywhere. With ``shared``,
+    the waits block on the store's shared connection, as where PyTorch cannot clone it."""
     torch.manual_seed(0)
     pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(world)]), [1] * world, chunks=2, loss_fn=mse,
                     group=dist.group.WORLD)
+    if shared:
+        assert pipe._channel is not None
+        pipe._channel.waits = pipe._channel.store
     x = torch.randn(4, 6)
     pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     report = {"raised": None}

@@ -97,11 +97,14 @@ def test_ranks_that_disagree_on_the_mode_both_raise() -> None:
     assert reports[0].startswith("PipelineError") and "same mode" in reports[0]
 
 
-def test_a_failure_before_the_start_wakes_the_ranks_waiting_for_it() -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_failure_before_the_start_wakes_the_ranks_waiting_for_it(shared: bool) -> None:
     # Story: a rank waits for a step's start (and end) with a read that blocks in the store until the key is
     # written, instead of polling the store every few hundred microseconds; a rank that fails first writes a
-    # mark into every such key of the step, or the others would wait for a start that never comes.
-    reports = ok(launch("tests.distributed.ranks:start_fails", 3))
+    # mark into every such key of the step, or the others would wait for a start that never comes. Also where
+    # the waits block on the store's shared connection (a PyTorch without Store.clone), which the failing
+    # rank's threads use too.
+    reports = ok(launch("tests.distributed.ranks:start_fails", 3, shared=shared))
     assert reports[0]["raised"] == "ValueError" and "must pass the mini-batch's input" in reports[0]["message"]
     for report in reports[1:]:
         assert report["raised"] == "PipelineError", report
