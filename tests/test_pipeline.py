@@ -170,13 +170,13 @@ def test_loss_reduction_weights_uneven_microbatches() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_micro_batchs_loss_weight_starts_its_backward_with_the_bits_of_a_weighted_loss(dtype: torch.dtype) -> None:
+def test_a_micro_batchs_loss_weight_starts_its_backward(dtype: torch.dtype) -> None:
     # Story: each micro-batch's loss was multiplied by its weight in the graph (two operations and two backward
     # nodes per micro-batch, a good part of a small stage's cost); the weight is now the gradient its backward
-    # starts from. The gradient of ``loss * w`` by ``loss`` is ``1 * w``, rounded to the loss's dtype once either
-    # way, so the gradients and the loss keep the very bits of the weighted losses run by hand (exact: the same
-    # kernels on the same micro-batches in the same order, nothing batched differently), also for weights that
-    # are not powers of two (micro-batches of 3, 3 and 1 samples) and a loss of shape (1,).
+    # starts from. The loss and the gradients stay those of the weighted losses run by hand, also for weights
+    # that are not powers of two (micro-batches of 3, 3 and 1 samples) and a loss of shape (1,). Within the
+    # dtype's tolerance: the stages run on workers of their own, whose intra-op threads may split the kernels'
+    # sums otherwise than the caller's thread does (a weight lost or applied twice is off by a factor of 2 to 7).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
     plain = copy.deepcopy(model)
@@ -192,9 +192,10 @@ def test_a_micro_batchs_loss_weight_starts_its_backward_with_the_bits_of_a_weigh
         part = loss_fn(plain(xi), yi).reshape(()) * (len(xi) / len(x))
         part.backward()
         weighted.append(part.detach())
-    assert torch.equal(loss, torch.stack(weighted).sum())
+    torch.testing.assert_close(loss, torch.stack(weighted).sum())
     for (name, p), q in zip(plain.named_parameters(), pipe.parameters()):
-        assert p.grad is not None and q.grad is not None and torch.equal(q.grad, p.grad), name
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
 def test_without_loss_fn_the_output_is_the_loss() -> None:
