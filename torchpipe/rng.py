@@ -204,14 +204,11 @@ class RandomStreams(TorchFunctionMode):
 
 
 def streams(seed: Optional[int]) -> ContextManager[Any]:
-    """Runs the block on random streams of its own seeded from ``seed`` (None: as it is, at no cost: a shared
-    do-nothing context manager, as a task that draws nothing is entered once per action)."""
+    """Runs the block on random streams of its own seeded from ``seed`` (None: as it is, at next to no cost: a
+    do-nothing context manager, no generator, as a task that draws nothing enters it once per action)."""
     if seed is None:
-        return _AS_IT_IS
+        return contextlib.nullcontext()
     return RandomStreams(seed)
-
-
-_AS_IT_IS = contextlib.nullcontext()
 
 
 # --- random functions that take no generator: computed from one ---------------------------------------------

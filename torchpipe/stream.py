@@ -7,8 +7,8 @@ than the one that allocated it is ``record_stream``-ed so the caching allocator
 does not hand its memory out early. On CPU every helper here is a no-op, so the
 pipeline runs the same code with :data:`CPU_STREAM` and :data:`CPU_EVENT`.
 """
-from contextlib import contextmanager
-from typing import Generator, Optional, Union
+import contextlib
+from typing import Any, ContextManager, Optional, Union
 
 import torch
 
@@ -89,24 +89,19 @@ def current_stream(device: torch.device) -> AbstractStream:
     return torch.cuda.current_stream(device)
 
 
-@contextmanager
-def use_device(device: torch.device) -> Generator[None, None, None]:
-    """Makes ``device`` current for CUDA; does nothing for other devices."""
+def use_device(device: torch.device) -> ContextManager[Any]:
+    """Makes ``device`` current for CUDA; does nothing for other devices (a do-nothing context manager: every
+    action of a pipeline enters one, so no generator is made for it)."""
     if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device):
-        yield
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
-@contextmanager
-def use_stream(stream: AbstractStream) -> Generator[None, None, None]:
-    """Queues CUDA work issued in the block on ``stream``; does nothing on CPU."""
+def use_stream(stream: AbstractStream) -> ContextManager[Any]:
+    """Queues CUDA work issued in the block on ``stream``; does nothing on CPU (as :func:`use_device`)."""
     if not isinstance(stream, torch.cuda.Stream):
-        yield
-        return
-    with torch.cuda.stream(stream):
-        yield
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
 
 
 def record_event(stream: AbstractStream) -> AbstractEvent:

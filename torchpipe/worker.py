@@ -81,7 +81,6 @@ def _stop_all_at_exit() -> None:
 
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
-_ALREADY = contextlib.nullcontext()
 
 
 def _autocast_state(kind: str) -> Tuple[bool, torch.dtype]:
@@ -116,16 +115,11 @@ class ThreadContext:
         The common case, no inference mode and no autocast, costs one grad-mode switch.
         """
         grad = self.grad_enabled if grad_enabled is None else grad_enabled
-        if self._plain:
+        if not self.inference_mode and not any(enabled for _, enabled, _ in self.autocast):
             if torch.is_grad_enabled() == grad:  # a worker or the caller's own thread, already so: nothing to do
-                return _ALREADY
+                return contextlib.nullcontext()
             return torch.enable_grad() if grad else torch.no_grad()
         return self._entered(grad)
-
-    @property
-    def _plain(self) -> bool:
-        """No inference mode, no autocast: the state is the grad mode alone."""
-        return not self.inference_mode and not any(enabled for _, enabled, _ in self.autocast)
 
     @contextlib.contextmanager
     def _entered(self, grad: bool) -> Generator[None, None, None]:

@@ -389,11 +389,11 @@ class DistributedTransport:
         incoming = self._incoming.get(peer)  # None: a message between this rank's own stages
         # Message k > 0 not received yet: the stage's thread takes it off the wire, once the first has come
         # through the receiving thread (see [Note: message order]); message 0 the mailbox waits for.
-        if incoming is not None and incoming.index[edge] >= max(incoming.received, 1):
+        k = incoming.index[edge] if incoming is not None else 0
+        if incoming is not None and k >= max(incoming.received, 1):
             while not incoming.first.wait(POLL_SECONDS):
                 self._check_store()
             # The peer is in the step: what it owes comes, or an abort in its place, or its connection fails.
-            k = incoming.index[edge]
             while not incoming.stopped and incoming.received <= k:
                 self._take_next(peer, incoming)
         return self.mailbox.take(edge, poll=self._check_store, interval=POLL_SECONDS)
