@@ -103,7 +103,7 @@ def forward(step: Step, action: Action) -> None:
         else:
             saved = Batch.of(leaves, atomic)
             with task_context(step.keys[i], skips=skips):
-                out, loss = _run_stage(step, s, i, Batch.of(alias(leaves), atomic))
+                out, loss = _run_stage(step, s, i, Batch.of(_stage_input(step, s, leaves), atomic))
     if step.grad_enabled:
         state = step.states[(s, i)] = StageState(saved)
         if not checkpointed:
@@ -145,7 +145,8 @@ def recompute(step: Step, action: Action) -> None:
     skips = StageSkips(step, s, i, checkpointing=False, recomputing=True) if runner.skip_layout else None
     with step.context.entered(grad_enabled=True), streams(step.seed_for(s, i)):
         with task_context(step.keys[i], recomputing=True, skips=skips):
-            out, loss = _run_stage(step, s, i, Batch.of(alias(state.leaves.values), state.leaves.atomic))
+            inputs = Batch.of(_stage_input(step, s, state.leaves.values), state.leaves.atomic)
+            out, loss = _run_stage(step, s, i, inputs)
     state.outputs = out if loss is None else Batch(loss)
 
 
@@ -187,6 +188,12 @@ def _run_stage(step: Step, s: int, i: int, inputs: Batch) -> Tuple[Batch, Option
         source = "loss_fn" if fn is not None else "the module (with loss_fn=None its output is the loss)"
         raise ValueError(f"{source} must return a single-element tensor, got {what}")
     return out, loss  # unweighted: see [Note: loss weights]
+
+
+def _stage_input(step: Step, s: int, leaves: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+    """What stage ``s`` runs on: an alias of its leaves, so that it may change them in place, or the leaves
+    themselves where nothing in the stage can (see :func:`~torchpipe.runtime.boundary.takes_leaves`)."""
+    return leaves if step.bare_leaves[s] else alias(leaves)
 
 
 def _copy(leaf: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ from torch import Tensor
 from torchpipe.context import MicroBatch
 from torchpipe.microbatch import Batch
 from torchpipe.rng import may_draw, step_seed, task_seed
+from torchpipe.runtime.boundary import takes_leaves
 from torchpipe.runtime.loss import Loss
 from torchpipe.runtime.transport import Edge, LocalTransport, Transport, sends
 from torchpipe.schedule import Action, Kind, Schedule
@@ -119,6 +120,8 @@ class Step:
             grad_enabled and stage is not None and any(p.requires_grad for p in stage.parameters())
             for stage in runner.stages
         ]
+        #: Per stage: whether its forward takes its input leaves as they are, without an alias (see takes_leaves).
+        self.bare_leaves = [takes_leaves(stage) for stage in runner.stages]
         self.seed = step_seed() if any(self.draws) else None
         self.context = ThreadContext.capture()
         self.plan = runner.plan(self.microbatches, checkpoint_stop)
