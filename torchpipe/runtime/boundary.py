@@ -63,7 +63,8 @@ def own_version(tensor: Tensor) -> Tensor:
     on micro-batch 1 would look, to autograd, like a change of what micro-batch
     0's graph saved. They are disjoint memory, so each gets its own counter;
     a change of the caller's input between forward and backward is checked
-    by the runner instead (see ``StageState.versions``).
+    by the runner instead (see ``StageState.versions``). A first stage that
+    cannot change its input in place (:func:`takes_leaves`) needs none.
     """
     # A tensor made here requires no grad, so set_ records nothing even with grad enabled: no no_grad needed.
     alias = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)

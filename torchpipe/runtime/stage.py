@@ -84,8 +84,9 @@ def forward(step: Step, action: Action) -> None:
         tensors = [t for t in message.tensors if t is not None]
         flags, atomic = message.requires_grad, message.atomic
     given = tensors
-    if s == 0:
-        tensors = [own_version(t) for t in tensors]  # see own_version: micro-batches share no version counter
+    if s == 0 and not step.bare_leaves[0]:
+        # See own_version: micro-batches share no version counter. Needless where nothing changes them in place.
+        tensors = [own_version(t) for t in tensors]
     leaves = make_leaves(tensors, [f and step.grad_enabled for f in flags])
     # Checkpoint only what a backward will need: with nothing requiring grad there is no graph to save, and
     # the forward runs with grad so that the output requires grad exactly when the plain module's would.
