@@ -34,6 +34,7 @@ from torch import Tensor, nn  # noqa: E402
 import torchpipe  # noqa: E402
 from benchmarks import common, models  # noqa: E402
 from torchpipe import trace  # noqa: E402
+from torchpipe.runtime.tune import TUNING_STEPS  # noqa: E402
 from torchpipe.schedule import Kind, simulate  # noqa: E402
 
 #: (name, schedule, stages); two workers each.
@@ -153,7 +154,9 @@ def memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> Dic
         def run(batch: slice) -> None:
             pipe.step(x[batch], y[batch])
 
-    run(warm)  # gradients stay: later steps accumulate into them in place
+    # Gradients stay: later steps accumulate into them in place. (A zero_bubble pipeline's next steps are the
+    # second of its measured steps, every stage split, and the first of its trial: the most it may hold.)
+    run(warm)
     base = common.cpu_peak_rss_bytes()
     for _ in range(2):
         run(slice(None))
@@ -172,6 +175,9 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
                  "measured_idle": None})
     for name, schedule, stages in CONFIGS:
         pipe, x, y = pipeline(model, schedule, stages, chunks)
+        if schedule == "zero_bubble":  # its placement first: measured, then tried against 1F1B on its own steps
+            for _ in range(TUNING_STEPS):
+                pipe_step(pipe, x, y)()
         [result] = common.compare(plain, [common.Variant(name, pipe_step(pipe, x, y))], rounds=rounds, warmup=1,
                                   desc=f"{model} {name}")
         simulated, idle = timeline_figures(pipe, x, y)

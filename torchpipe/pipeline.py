@@ -1,6 +1,7 @@
 """The Pipeline module: a training step that owns the loss, so that it can run any schedule."""
 import datetime
 import os
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 import torch
@@ -274,7 +275,9 @@ class Pipeline(nn.Module):
         stage's (others may pass None), and every rank returns the loss.
         """
         training = torch.is_grad_enabled() and self.training
-        timings: Optional[Timings] = {} if self._tuner is not None and self._tuner.measuring and training else None
+        tuner = self._tuner if training and self._tuner is not None and not self._tuner.decided else None
+        timings: Optional[Timings] = {} if tuner is not None and tuner.measuring else None
+        started = time.perf_counter()
         try:
             if self._channel is not None:
                 loss, _ = run_step(
@@ -297,9 +300,13 @@ class Pipeline(nn.Module):
         if self.deferred_batch_norm and self.training:
             for stage in self._local_stages():
                 commit(stage)
-        if timings is not None and self._tuner is not None:
+        if tuner is not None:  # see [Note: zero-bubble placement]
             exchange = None if self._channel is None else self._channel.exchange
-            if self._tuner.record(timings, exchange, self.chunks):
+            if timings is not None:
+                changed = tuner.record(timings, exchange, self.chunks)
+            else:
+                changed = tuner.record_trial(time.perf_counter() - started, exchange)
+            if changed:
                 self._runner.forget_plans()
         return loss
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 import torchpipe
 from tests.models import Pop, Stash, UseMask, WithMask
 from torchpipe import Pipeline, PipelineError
+from torchpipe.schedule import Kind
 
 
 def model_for(stages: int) -> nn.Sequential:
@@ -58,6 +59,34 @@ def transparency(rank: int, world: int) -> List[str]:
                     if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
                         problems.append(f"{case}: gradient of {name} differs")
     return problems
+
+
+def zero_bubble_placement(rank: int, world: int) -> Dict[str, Any]:
+    """A zero-bubble pipeline through its measured steps and its trial, to its placement: every step's loss and
+    gradients, and the placement each rank decided."""
+    from torchpipe.runtime.tune import TUNING_STEPS
+
+    model = model_for(world)
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, [2] * world, chunks=4, schedule="zero_bubble", loss_fn=mse, group=dist.group.WORLD)
+    held = dict(pipe.named_parameters())
+    problems: List[str] = []
+    for step in range(TUNING_STEPS + 1):
+        torch.manual_seed(step)
+        x, y = torch.randn(8, 6), torch.randn(8, 6)
+        loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+        expected = mse(plain(x), y)
+        expected.backward()
+        if not torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"step {step}: loss {loss.item()} != {expected.item()}")
+        for name, param in plain.named_parameters():
+            if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
+                problems.append(f"step {step}: gradient of {name} differs")
+    assert pipe._tuner is not None
+    split = pipe._tuner.split
+    runs = [any(a.kind is Kind.BACKWARD_WEIGHT for a in pipe.schedule.actions() if a.stage == s)
+            for s in range(world)]
+    return {"problems": problems, "decided": pipe._tuner.decided, "split": split, "runs": runs}
 
 
 def holds_only_its_stages(rank: int, world: int) -> Dict[str, Any]:

@@ -10,25 +10,42 @@ longer than 1F1B's. So, as the zero-bubble paper's schedules do, the
 placement follows profiled times: the first training step runs every stage
 whole (1F1B) and measures each stage's ``F`` and ``B``, the second runs every
 stage split and measures ``I`` and ``W`` (each action's thread CPU time, so a
-wait for a message does not count), and from then on a stage splits only
-where that shortens the simulated step (:func:`torchpipe.schedule.choose_split`).
-So ``'zero_bubble'`` is never slower than ``'1f1b'`` after two steps. Across
-processes every rank's measurements are exchanged and every rank makes the
-same decision. Splitting or not changes only the order in which gradients of
-one step are summed, so results may differ from one placement to the other
-in the last bits; ``pipe.schedule`` shows the placement in use.
+wait for a message does not count), and a stage is chosen to split only where
+that shortens the simulated step (:func:`torchpipe.schedule.choose_split`).
+The simulation does not see everything: split graphs live longer (more memory
+in use, colder caches), a ``W`` wants the GIL more often per unit of work than
+a ``B``, and thread CPU time misses a wait for the GIL. On the benchmark's MLP
+the costs chose to split every stage and the steps then took up to 12% longer
+than 1F1B's. So a split the costs chose is tried: the next training steps run
+it and 1F1B in turn, :data:`TRIAL_STEPS` each, and it stays only if its median
+step time is :data:`TRIAL_MARGIN` below 1F1B's (a split that only matches 1F1B
+keeps its graphs longer for nothing); else the pipeline runs 1F1B from then
+on. So ``'zero_bubble'`` is never slower than ``'1f1b'`` once placed (after
+:data:`TUNING_STEPS` training steps at most), as measured on its own steps.
+Across processes every rank's measurements are exchanged (a trial step takes
+as long as its slowest rank says) and every rank makes the same decision.
+Splitting or not changes only the order in which gradients of one step are
+summed, so results may differ from one placement to the other in the last
+bits; ``pipe.schedule`` shows the placement in use.
 """
 import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
 from torchpipe.schedule import Kind, choose_split
 
-__all__ = ["SplitTuner", "Timings"]
+__all__ = ["SplitTuner", "Timings", "TRIAL_STEPS", "TRIAL_MARGIN", "TUNING_STEPS"]
 
 #: An action's measured durations, by (stage, kind).
 Timings = Dict[Tuple[int, Kind], List[float]]
 
 _MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+
+#: The training steps each placement runs in the trial of a split the costs chose.
+TRIAL_STEPS = 3
+#: How much faster than 1F1B's (median step time) a split's steps must be for it to stay.
+TRIAL_MARGIN = 0.02
+#: The most training steps a zero-bubble pipeline takes to place its split: two measured, then the trial.
+TUNING_STEPS = 2 + 2 * TRIAL_STEPS
 
 
 class SplitTuner:
@@ -36,14 +53,21 @@ class SplitTuner:
 
     def __init__(self, stages: int) -> None:
         self.stages = stages
-        #: The split in use: none while the backward is measured whole, all while it is measured split.
+        #: The split in use: none while the backward is measured whole, all while it is measured split, then in
+        #: turn the candidate and none while they are tried, then the decision.
         self.split: List[bool] = [False] * stages
         self.decided = False
         self.costs: Dict[Tuple[int, Kind], float] = {}
+        #: The split the measured costs chose, while it is tried against none (1F1B).
+        self.candidate: Optional[List[bool]] = None
+        #: The trial's step times (s), by whether the step ran the candidate.
+        self.trial: Dict[bool, List[float]] = {True: [], False: []}
 
     @property
     def measuring(self) -> bool:
-        return not self.decided
+        """Whether the next training step's actions are to be timed (:meth:`record`); else, until decided, the
+        step's time is to be taken (:meth:`record_trial`)."""
+        return not self.decided and self.candidate is None
 
     def record(self, timings: Timings, exchange: Optional[Callable[[List[float]], List[List[float]]]] = None,
                microbatches: int = 1) -> bool:
@@ -63,9 +87,32 @@ class SplitTuner:
         if not any(self.split):  # the whole backward measured: now measure it split
             self.split = [True] * self.stages
             return True
-        self.decided = True
         before = self.split
-        self.split = choose_split(max(1, microbatches), self.stages, self._cost)
+        chosen = choose_split(max(1, microbatches), self.stages, self._cost)
+        if any(chosen):
+            self.candidate = chosen  # tried first (see record_trial)
+        else:
+            self.decided = True
+        self.split = chosen
+        return self.split != before
+
+    def record_trial(self, seconds: float, exchange: Optional[Callable[[List[float]], List[List[float]]]] = None
+                     ) -> bool:
+        """Takes a trial step's time (this rank's, in seconds); returns whether the split changed.
+
+        ``exchange`` gathers every rank's time (across processes); it is called on every rank at the same step.
+        """
+        assert self.candidate is not None and not self.decided, "no split is being tried"
+        every = [[seconds]] if exchange is None else exchange([float(seconds)])
+        self.trial[self.split == self.candidate].append(max(values[0] for values in every))
+        before = self.split
+        none = [False] * self.stages
+        if min(len(times) for times in self.trial.values()) >= TRIAL_STEPS:
+            self.decided = True
+            faster = statistics.median(self.trial[True]) < statistics.median(self.trial[False]) * (1 - TRIAL_MARGIN)
+            self.split = self.candidate if faster else none
+        else:
+            self.split = none if self.split == self.candidate else self.candidate
         return self.split != before
 
     def _cost(self, stage: int, kind: Kind) -> float:
