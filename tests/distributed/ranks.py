@@ -30,6 +30,18 @@ def mse(output: Tensor, target: Tensor) -> Tensor:
     return nn.functional.mse_loss(output, target)
 
 
+def _differences(case: str, loss: Tensor, expected: Tensor, plain: nn.Module, held: Dict[str, Tensor]) -> List[str]:
+    """How a step's loss and this rank's gradients (``held``, by name) differ from the plain module's (after its
+    backward of ``expected``)."""
+    problems = []
+    if not torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6):
+        problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
+    for name, param in plain.named_parameters():
+        if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
+            problems.append(f"{case}: gradient of {name} differs")
+    return problems
+
+
 def transparency(rank: int, world: int) -> List[str]:
     """Every schedule, checkpoint mode and chunks: loss on every rank and every local .grad equal the plain module's.
 
@@ -52,12 +64,8 @@ def transparency(rank: int, world: int) -> List[str]:
                 loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
                 expected = mse(plain(x), y)
                 expected.backward()
-                case = f"{schedule} {checkpoint} chunks={chunks} batch={batch}"
-                if not torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6):
-                    problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
-                for name, param in plain.named_parameters():
-                    if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
-                        problems.append(f"{case}: gradient of {name} differs")
+                problems += _differences(f"{schedule} {checkpoint} chunks={chunks} batch={batch}", loss, expected,
+                                         plain, held)
     return problems
 
 
@@ -77,11 +85,7 @@ def zero_bubble_placement(rank: int, world: int) -> Dict[str, Any]:
         loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
         expected = mse(plain(x), y)
         expected.backward()
-        if not torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6):
-            problems.append(f"step {step}: loss {loss.item()} != {expected.item()}")
-        for name, param in plain.named_parameters():
-            if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
-                problems.append(f"step {step}: gradient of {name} differs")
+        problems += _differences(f"step {step}", loss, expected, plain, held)
     assert pipe._tuner is not None
     split = pipe._tuner.split
     runs = [any(a.kind is Kind.BACKWARD_WEIGHT for a in pipe.schedule.actions() if a.stage == s)
@@ -363,9 +367,5 @@ def layouts_change(rank: int, world: int) -> List[str]:
             continue
         expected = mse(plain(x), y)
         expected.backward()
-        if not torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6):
-            problems.append(f"step {step}: loss {loss.item()} != {expected.item()}")
-        for name, param in plain.named_parameters():
-            if name in held and not torch.allclose(held[name].grad, param.grad, rtol=1e-4, atol=1e-6):
-                problems.append(f"step {step}: gradient of {name} differs")
+        problems += _differences(f"step {step}", loss, expected, plain, held)
     return problems
