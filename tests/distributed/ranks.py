@@ -71,10 +71,12 @@ def transparency(rank: int, world: int) -> List[str]:
 
 def zero_bubble_placement(rank: int, world: int) -> Dict[str, Any]:
     """A zero-bubble pipeline through its measured steps and its trial, to its placement: every step's loss and
-    gradients, and the placement each rank decided."""
+    gradients, and the placement each rank decided. Every stage starts with a Linear, so each runs on the leaves
+    of the message it receives (no alias: see takes_leaves)."""
     from torchpipe.runtime.tune import TUNING_STEPS
 
-    model = model_for(world)
+    torch.manual_seed(2)
+    model = nn.Sequential(*[layer for _ in range(world) for layer in (nn.Linear(6, 6), nn.Tanh())])
     plain = copy.deepcopy(model)
     pipe = Pipeline(model, [2] * world, chunks=4, schedule="zero_bubble", loss_fn=mse, group=dist.group.WORLD)
     held = dict(pipe.named_parameters())
@@ -90,7 +92,10 @@ def zero_bubble_placement(rank: int, world: int) -> Dict[str, Any]:
     split = pipe._tuner.split
     runs = [any(a.kind is Kind.BACKWARD_WEIGHT for a in pipe.schedule.actions() if a.stage == s)
             for s in range(world)]
-    return {"problems": problems, "decided": pipe._tuner.decided, "split": split, "runs": runs}
+    from torchpipe.runtime.boundary import takes_leaves
+
+    bare = [takes_leaves(stage) for stage in pipe._runner.stages if stage is not None]
+    return {"problems": problems, "decided": pipe._tuner.decided, "split": split, "runs": runs, "bare": bare}
 
 
 def holds_only_its_stages(rank: int, world: int) -> Dict[str, Any]:

@@ -26,7 +26,9 @@ def test_every_rank_places_a_zero_bubble_split_alike() -> None:
     # The placement is decided from every rank's measured costs, then from a trial of the chosen split against
     # 1F1B on the next steps, each step's time the slowest rank's: each rank's own clock differs, the decision
     # may not (a rank that split where its peer did not would wait for messages that never come).
+    # Each stage runs on the leaves of what it receives (its first layer a Linear): that too stays transparent.
     reports = ok(launch("tests.distributed.ranks:zero_bubble_placement", 2))
+    assert [r["bare"] for r in reports] == [[True], [True]]
     assert [r["problems"] for r in reports] == [[], []]
     assert all(r["decided"] for r in reports)
     assert reports[0]["split"] == reports[1]["split"] == reports[0]["runs"] == reports[1]["runs"]
