@@ -292,8 +292,18 @@ def rank_main(rank: int, shape: Dict[str, int], rounds: int, warmup: int, out: s
             if seconds is not None:
                 times[name].append(seconds)
     tied = gradients_match(rank, shape, ids)
-    gathered: List[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, {"peaks": peaks, "tied": tied})
+    # Point to point, not a collective: gloo's worker thread may let go of a collective's tensors after the
+    # caller is through with them, and a process that exits meanwhile aborts ("terminate called without an
+    # active exception": this gather, the last call before the ranks exit, did so once in a CI run).
+    mine = {"peaks": peaks, "tied": tied}
+    gathered: List[Any] = [mine]
+    if rank == 0:
+        for other in range(1, WORLD):
+            received: List[Any] = [None]
+            dist.recv_object_list(received, other)
+            gathered.append(received[0])
+    else:
+        dist.send_object_list([mine], 0)
     if rank == 0:
         Path(out).write_text(json.dumps({
             "times": times, "setup_s": setup, "peaks": [g["peaks"] for g in gathered],
