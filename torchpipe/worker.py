@@ -38,7 +38,7 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Generator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -103,6 +103,11 @@ class ThreadContext:
     grad_enabled: bool
     inference_mode: bool
     autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
+    #: No inference mode, no autocast: the state is the grad mode alone (known at capture; read per action).
+    plain: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plain", not self.inference_mode and not any(on for _, on, _ in self.autocast))
 
     @staticmethod
     def capture() -> "ThreadContext":
@@ -115,7 +120,7 @@ class ThreadContext:
         The common case, no inference mode and no autocast, costs one grad-mode switch.
         """
         grad = self.grad_enabled if grad_enabled is None else grad_enabled
-        if not self.inference_mode and not any(enabled for _, enabled, _ in self.autocast):
+        if self.plain:
             if torch.is_grad_enabled() == grad:  # a worker or the caller's own thread, already so: nothing to do
                 return contextlib.nullcontext()
             return torch.enable_grad() if grad else torch.no_grad()

@@ -163,6 +163,11 @@ class Channel:
         ``name`` and ``members``, and itself as ``me``): NCCL for CUDA tensors, gloo on CPU."""
         return self._groups(name, list(members).index(me), len(members))[1]
 
+    @property
+    def who(self) -> str:
+        """This rank, as failure messages name it: its rank in the pipeline, and its replica's index on a mesh."""
+        return f"{self.rank}" if self.replicas == 1 else f"{self.rank} of replica {self.replica}"
+
     def next_sequence(self) -> int:
         """The number of the next step (or other collective call) of this pipeline; the same on every rank."""
         self.sequence += 1
@@ -228,8 +233,7 @@ class Channel:
         try:
             values = [bytes(value) for value in self.waits.multi_get(names)]
         except RuntimeError as exc:  # the timeout (the store's own error), or the store's host died
-            who = f"{self.rank}" if self.replicas == 1 else f"{self.rank} of replica {self.replica}"
-            message = f"rank {who} waited for {what} of step {sequence} in vain: {exc}"
+            message = f"rank {self.who} waited for {what} of step {sequence} in vain: {exc}"
             self.fail(sequence, message)
             raise PipelineError(self.failure(sequence) or message) from None
         if _FAILED in values:

@@ -110,7 +110,7 @@ def run_step(
     except BaseException as exc:
         if not isinstance(exc, (PipelineError, Aborted)):  # this rank's own failure: the others learn it first
             where = f"action {progress.current}" if progress.current is not None else "its step"
-            channel.fail(sequence, f"rank {_who(channel)} failed in {where}: {type(exc).__name__}: {exc}")
+            channel.fail(sequence, f"rank {channel.who} failed in {where}: {type(exc).__name__}: {exc}")
         transport.fail()
         if committed:
             abort(step)  # the collectives this rank still owes, before it leaves the step
@@ -128,11 +128,6 @@ def run_step(
         result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs
-
-
-def _who(channel: Channel) -> str:
-    """This rank, as failure messages name it: its rank in the pipeline, and its replica's index on a mesh."""
-    return f"{channel.rank}" if channel.replicas == 1 else f"{channel.rank} of replica {channel.replica}"
 
 
 def _start(
@@ -160,7 +155,7 @@ def _start(
             inputs = (input,) if isinstance(input, Tensor) else tuple(input)
             split = microbatch.scatter(input, chunks)
         except BaseException as exc:
-            channel.fail(sequence, f"rank {_who(channel)} could not split its input: {type(exc).__name__}: {exc}")
+            channel.fail(sequence, f"rank {channel.who} could not split its input: {type(exc).__name__}: {exc}")
             raise
         sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
         mine = [float(len(split)), float(training)] + sizes
@@ -177,7 +172,7 @@ def _start(
         if bool(values[1]) != training:
             where = f"rank {first}, the first stage's" + (f", of replica {r}" if channel.replicas > 1 else "")
             message = (
-                f"rank {_who(channel)} runs {_describe(training)} but {where}, runs {_describe(bool(values[1]))}: "
+                f"rank {channel.who} runs {_describe(training)} but {where}, runs {_describe(bool(values[1]))}: "
                 "call step() in the same mode (train/eval, grad enabled) everywhere"
             )
             channel.fail(sequence, message)

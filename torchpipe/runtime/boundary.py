@@ -110,8 +110,9 @@ def takes_leaves(stage: Optional[torch.nn.Module]) -> bool:
         return False
     first = stage[0]
     forward = _FRESH_OUTPUT.get(type(first))
-    global_hooks = any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
-    return forward is not None and type(first).forward is forward and not _hooked(first) and not global_hooks
+    if forward is None or type(first).forward is not forward or _hooked(first):
+        return False
+    return not any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
 
 
 #: The hooks of every module (``torch.nn.modules.module.register_module_*_hook``).
