@@ -383,6 +383,17 @@ def proc_status_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} line (the memory figures need Linux)")
 
 
+def reset_peak_rss() -> bool:
+    """Resets this process's peak resident set size (``VmHWM``) to the current one, through
+    ``/proc/self/clear_refs`` (Linux 4.0+); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def cpu_peak_rss_bytes() -> int:
     """This process's peak resident set size so far, in bytes.
 

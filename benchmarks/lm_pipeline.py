@@ -129,8 +129,8 @@ def drop_grads(module: nn.Module) -> None:
 
 def peak_of(step: Callable[[], None]) -> int:
     """Bytes the step adds at its peak to this process's resident set (VmHWM reset just before it)."""
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets the peak resident set size to the current one (Linux 4.0+)
+    if not common.reset_peak_rss():
+        raise RuntimeError("the step's peak memory needs /proc/self/clear_refs (Linux 4.0+)")
     before = common.proc_status_bytes("VmRSS")
     step()
     return max(0, common.proc_status_bytes("VmHWM") - before)

@@ -125,16 +125,6 @@ _MARK = "@@mesh "
 # --- what runs in the processes ------------------------------------------------------------------------
 
 
-def _reset_peak() -> bool:
-    """Resets VmHWM to the current resident size (Linux 4.0+); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _bytes(tensors: Sequence[Any]) -> int:
     total = 0
     for tensor in tensors:
@@ -222,7 +212,7 @@ class Trainer:
         holds, and the step's peak resident size above the resident size when the steps started (activations,
         gradients, gathered parameters, message buffers): None where the peak cannot be reset."""
         params = list(self.model.parameters())
-        reset = _reset_peak()
+        reset = common.reset_peak_rss()
         start = common.proc_status_bytes("VmRSS")
         grads = 0
         for _ in range(2):

@@ -154,9 +154,15 @@ def memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> Dic
         def run(batch: slice) -> None:
             pipe.step(x[batch], y[batch])
 
-    # Gradients stay: later steps accumulate into them in place. (A zero_bubble pipeline's next steps are the
-    # second of its measured steps, every stage split, and the first of its trial: the most it may hold.)
+    # Gradients stay: later steps accumulate into them in place. A zero_bubble pipeline places its split first,
+    # on steps of the whole batch (the second runs every stage split, the most it may hold), and its peak
+    # starts again after them, so that the figure is the placement's it trains with (where the peak cannot be
+    # reset, it includes them: an upper bound).
     run(warm)
+    if schedule == "zero_bubble":
+        for _ in range(TUNING_STEPS):
+            run(slice(None))
+        common.reset_peak_rss()
     base = common.cpu_peak_rss_bytes()
     for _ in range(2):
         run(slice(None))

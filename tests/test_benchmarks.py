@@ -177,6 +177,13 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
         simulated, idle = schedules.timeline_figures(pipe, x, y)
         assert 0.0 <= simulated < 1.0 and 0.0 <= idle < 1.0
     schedules.by_hand_step("mlp", 4)()
+    # The memory figure (in-process here): zero_bubble's after its placement's steps, on every schedule a size.
+    threads = torch.get_num_threads()
+    try:
+        for _, schedule, stages in schedules.CONFIGS:
+            assert schedules.memory("mlp", schedule, stages, 4)["step_bytes"] >= 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("library, schedule", [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B")])

@@ -507,14 +507,14 @@ def _tried(candidate_seconds: float, none_seconds: float) -> SplitTuner:
     placements = []
     gathered: List[List[float]] = []
 
-    def exchange(values: List[float]) -> List[List[float]]:  # as across 2 ranks: the other one slower
+    def exchange(values: List[float]) -> List[List[float]]:  # as across 2 ranks: the other one slower, no input
         gathered.append(values)
-        return [values, [values[0] * 1.01]]
+        return [values, [values[0] * 1.01, 0.0]]
 
     for _ in range(2 * TRIAL_STEPS):
         assert not tuner.decided
         placements.append(tuner.split)
-        tuner.record_trial(candidate_seconds if tuner.split == tuner.candidate else none_seconds, exchange)
+        tuner.record_trial(candidate_seconds if tuner.split == tuner.candidate else none_seconds, exchange, rows=64)
     assert len(gathered) == 2 * TRIAL_STEPS, "one exchange a trial step"
     assert placements == [candidate, [False, False]] * TRIAL_STEPS, "the candidate and 1F1B in turn"
     assert tuner.decided
@@ -532,3 +532,35 @@ def test_a_split_the_costs_chose_stays_only_if_its_steps_are_faster_than_1f1b() 
     assert kept.split == kept.candidate
     assert _tried(candidate_seconds=1.1, none_seconds=1.0).split == [False, False]
     assert _tried(candidate_seconds=1.0, none_seconds=1.0 + TRIAL_MARGIN / 2).split == [False, False]
+
+
+def _trial_of_sizes(sizes: List[int]) -> SplitTuner:
+    """A zero-bubble trial whose candidate split is twice as fast as 1F1B at any batch size, over steps of
+    ``sizes`` rows (a step's time is its rows times its placement's cost per row)."""
+    tuner = SplitTuner(2)
+    tuner.record({(s, kind): [c] for s in range(2) for kind, c in ((Kind.FORWARD, 1.0), (Kind.BACKWARD, 2.0))})
+    tuner.record({(s, kind): [1.0] for s in range(2) for kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)},
+                 microbatches=8)
+    candidate = tuner.candidate
+    assert candidate is not None and tuner.split == candidate
+    for rows in sizes:
+        assert not tuner.decided
+        placement = tuner.split
+        seconds = rows * (0.5 if placement == candidate else 1.0)
+        changed = tuner.record_trial(seconds, rows=rows)
+        if tuner.trial_rows is not None and rows < tuner.trial_rows:
+            assert not changed and tuner.split == placement, "a smaller step is left out: the placement stays"
+    assert tuner.decided
+    return tuner
+
+
+def test_a_zero_bubble_trial_compares_only_steps_of_one_batch_size() -> None:
+    # An epoch's short last batch falling in the trial made whichever placement ran it look faster: two steps
+    # of 8 rows on 1F1B's turns beside the split's steps of 64 chose 1F1B, though the split was twice as fast.
+    kept = _trial_of_sizes([64, 8, 64, 8, 64, 64, 64, 64])
+    assert kept.split == kept.candidate
+    assert kept.trial_rows == 64 and all(len(times) == TRIAL_STEPS for times in kept.trial.values())
+    # A trial that began on a short batch starts again at the first larger one.
+    restarted = _trial_of_sizes([8, 64, 64, 64, 64, 64, 64])
+    assert restarted.split == restarted.candidate
+    assert restarted.trial == {True: [32.0] * TRIAL_STEPS, False: [64.0] * TRIAL_STEPS}

@@ -305,7 +305,7 @@ class Pipeline(nn.Module):
             if timings is not None:
                 changed = tuner.record(timings, exchange, self.chunks)
             else:
-                changed = tuner.record_trial(time.perf_counter() - started, exchange)
+                changed = tuner.record_trial(time.perf_counter() - started, exchange, _rows(input))
             if changed:
                 self._runner.forget_plans()
         return loss
@@ -449,3 +449,10 @@ def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _rows(input: Optional[TensorOrTensors]) -> int:
+    """The batch size of a step's input (0 for none: a rank that does not read it)."""
+    if isinstance(input, (tuple, list)):
+        input = input[0] if input else None
+    return int(input.size(0)) if isinstance(input, Tensor) and input.dim() > 0 else 0

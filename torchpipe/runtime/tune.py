@@ -20,8 +20,11 @@ than 1F1B's. So a split the costs chose is tried: the next training steps run
 it and 1F1B in turn, :data:`TRIAL_STEPS` each, and it stays only if its median
 step time is :data:`TRIAL_MARGIN` below 1F1B's (a split that only matches 1F1B
 keeps its graphs longer for nothing); else the pipeline runs 1F1B from then
-on. So ``'zero_bubble'`` is never slower than ``'1f1b'`` once placed (after
-:data:`TUNING_STEPS` training steps at most), as measured on its own steps.
+on. Only steps of one batch size are compared: a smaller one (an epoch's short
+last batch) is left out of the trial, a larger one starts it again. So
+``'zero_bubble'`` is never slower than ``'1f1b'`` once placed (after
+:data:`TUNING_STEPS` training steps of one batch size), as measured on its own
+steps.
 Across processes every rank's measurements are exchanged (a trial step takes
 as long as its slowest rank says) and every rank makes the same decision.
 Splitting or not changes only the order in which gradients of one step are
@@ -44,7 +47,8 @@ _MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEI
 TRIAL_STEPS = 3
 #: How much faster than 1F1B's (median step time) a split's steps must be for it to stay.
 TRIAL_MARGIN = 0.02
-#: The most training steps a zero-bubble pipeline takes to place its split: two measured, then the trial.
+#: The most training steps a zero-bubble pipeline takes to place its split (of one batch size): two measured, then
+#: the trial.
 TUNING_STEPS = 2 + 2 * TRIAL_STEPS
 
 
@@ -62,6 +66,9 @@ class SplitTuner:
         self.candidate: Optional[List[bool]] = None
         #: The trial's step times (s), by whether the step ran the candidate.
         self.trial: Dict[bool, List[float]] = {True: [], False: []}
+        #: The batch size (rows) of the trial's steps: a step of fewer rows is not compared (an epoch's short
+        #: last batch would favour the placement that ran it), one of more starts the trial again.
+        self.trial_rows: Optional[int] = None
 
     @property
     def measuring(self) -> bool:
@@ -96,14 +103,23 @@ class SplitTuner:
         self.split = chosen
         return self.split != before
 
-    def record_trial(self, seconds: float, exchange: Optional[Callable[[List[float]], List[List[float]]]] = None
-                     ) -> bool:
-        """Takes a trial step's time (this rank's, in seconds); returns whether the split changed.
+    def record_trial(self, seconds: float, exchange: Optional[Callable[[List[float]], List[List[float]]]] = None,
+                     rows: int = 0) -> bool:
+        """Takes a trial step's time (this rank's, in seconds) and its batch size (``rows``; 0 on a rank that
+        reads no input); returns whether the split changed.
 
-        ``exchange`` gathers every rank's time (across processes); it is called on every rank at the same step.
+        ``exchange`` gathers every rank's values (across processes); it is called on every rank at the same step.
+        Only steps of the same batch size are compared: a step of fewer rows than the trial's is left out (the
+        placement stays for the next step), one of more starts the trial again at its size.
         """
         assert self.candidate is not None and not self.decided, "no split is being tried"
-        every = [[seconds]] if exchange is None else exchange([float(seconds)])
+        every = [[seconds, rows]] if exchange is None else exchange([float(seconds), float(rows)])
+        size = max(int(values[1]) for values in every)
+        if self.trial_rows is None or size > self.trial_rows:
+            self.trial_rows = size
+            self.trial = {True: [], False: []}
+        elif size < self.trial_rows:
+            return False
         self.trial[self.split == self.candidate].append(max(values[0] for values in every))
         before = self.split
         none = [False] * self.stages
