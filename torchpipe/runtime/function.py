@@ -114,11 +114,13 @@ class PipelineFunction(torch.autograd.Function):
         # engine knows whether it will run the view of each parameter this function took as input.
         edges = ctx.next_functions[layout.phony + len(layout.positions) :]
         wanted = [_will_run(edge[0]) for edge in edges]
-        if any(wanted) and not step.direct:
-            # Setting the gradients aside is one backward pass's at a time (see [Note: gradient lease]): wait
-            # for another thread's pass where this thread may, else accumulate into .grad directly.
+        if any(wanted) or step.direct:
+            # Setting the gradients aside is one backward pass's at a time (see [Note: gradient lease]), and so
+            # is a joined graph's backward, which adds into other workers' parameters: wait for another thread's
+            # pass where this thread may, else accumulate into .grad directly.
             on_caller = all(g is None or g.device.type == "cpu" for g in grad_outputs)
-            step.direct = not step.runner.lease.take(may_wait=on_caller)
+            if not step.runner.lease.take(may_wait=on_caller):
+                step.direct = True
         needed = iter([wants and not step.direct for wants in wanted])
         step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
         copies = step.runner.tied_copies

@@ -23,7 +23,9 @@ engine runs on a device's thread may not wait (the lease's pass may need that
 thread to finish), nor may one nested in the lease's pass on the same thread;
 those accumulate into ``.grad`` directly, as [Note: joined graphs] does, which
 is safe beside a pass that sets aside, because the stage workers run one
-backward at a time and a tied parameter's lock is held either way.
+backward at a time and a tied parameter's lock is held either way. A joined
+graph's backward takes the lease too (where it may wait): it adds into
+parameters of other workers' stages, which another pass may have set aside.
 """
 import threading
 from typing import Callable, Optional
