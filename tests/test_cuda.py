@@ -189,3 +189,27 @@ def test_pipeline_on_one_gpu_and_on_a_gpu_then_the_cpu(schedule: str, checkpoint
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
 def test_pipeline_on_two_gpus(schedule: str) -> None:
     check_pipeline(["cuda:0", "cuda:1"], schedule, "except_last")
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cpu", "cuda:0"]])
+def test_one_gpipe_on_a_gpu_trained_from_several_threads_gets_every_gradient(devices: List[str]) -> None:
+    # [Note: gradient lease]: the engine runs the GPipe's backward on the GPU's own thread, which must not wait
+    # for another thread's pass: a pass that meets one accumulates into .grad directly. Every thread's gradient
+    # must still be in .grad once, and nothing may hang.
+    import concurrent.futures
+
+    plain = model()
+    piped = GPipe(copy.deepcopy(plain), [2, 3], devices=devices, chunks=4)
+    inputs = [torch.randn(16, 8) for _ in range(8)]
+    for x in inputs:
+        plain(x).sum().backward()
+
+    def train(x: Tensor) -> None:
+        piped(x).sum().backward()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for done in [pool.submit(train, x) for x in inputs]:
+            done.result(timeout=60)
+    for p, q in zip(plain.parameters(), piped.parameters()):
+        assert torch.allclose(q.grad.cpu(), p.grad, atol=1e-4)
+    assert not piped._runner.lease.held
