@@ -18,6 +18,7 @@ from torch import Tensor, nn
 import torchpipe
 from tests.models import mlp
 from torchpipe import DataParallel, GPipe, TupleParallel
+from torchpipe.runtime.lease import process_lease
 from torchpipe.skip import pop, skippable, stash
 
 
@@ -812,7 +813,9 @@ def test_one_gpipe_trained_from_several_threads_gets_every_gradient() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_threads_backward_waits_until_another_threads_pass_has_its_gradients() -> None:
+def test_a_threads_backward_waits_until_another_threads_pass_has_its_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # What keeps the threads apart: the pass that set a GPipe's gradients aside holds them until the engine has
     # finished it (here it is held up in a node behind the GPipe), and another thread's GPipe backward waits.
     torch.manual_seed(0)
@@ -828,23 +831,40 @@ def test_a_threads_backward_waits_until_another_threads_pass_has_its_gradients()
         held.set()
         assert go.wait(30)
 
+    lease = process_lease()
+    take = lease.take
+    entered: Dict[int, threading.Event] = {}
+    returned: Dict[int, bool] = {}
+
+    def spy(*, may_wait: bool) -> bool:
+        me = threading.get_ident()
+        entered.setdefault(me, threading.Event()).set()
+        got = take(may_wait=may_wait)
+        returned[me] = got
+        return got
+
+    monkeypatch.setattr(lease, "take", spy)
     first = threading.Thread(target=lambda: piped(_Gate.apply(x1, hold)).sum().backward())
     second = threading.Thread(target=lambda: piped(x2).sum().backward())
     first.start()
     assert held.wait(30)
     second.start()
-    second.join(0.5)
-    assert second.is_alive(), "the second thread's backward ran while the first pass held the gradients"
+    while second.ident is None or second.ident not in entered:  # its forward done, its GPipe backward begun
+        assert second.is_alive()
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert second.ident not in returned, "the second thread's backward went on while the first pass held the lease"
     go.set()
     first.join(30)
     second.join(30)
     assert not first.is_alive() and not second.is_alive()
-    assert not piped._runner.lease.held
+    assert not process_lease().held
     plain(x1).sum().backward()
     plain(x2).sum().backward()
     for got, want in zip(grads_of(piped), grads_of(plain)):
         assert torch.allclose(got, want, atol=1e-6)
     assert len(seen) == 2  # the hook ran once a pass, on the pass's whole gradient
+    assert list(returned.values()) == [True, True]  # both set their gradients aside
 
 
 @pytest.mark.timeout(60)
@@ -859,7 +879,7 @@ def test_a_pass_that_fails_behind_the_gpipe_lets_the_next_one_run() -> None:
 
     with pytest.raises(ValueError, match="behind the GPipe"):
         piped(_Gate.apply(x, fail)).sum().backward()
-    assert not piped._runner.lease.held
+    assert not process_lease().held
     other = threading.Thread(target=lambda: piped(torch.randn(4, 4)).sum().backward())
     other.start()
     other.join(30)
@@ -867,7 +887,9 @@ def test_a_pass_that_fails_behind_the_gpipe_lets_the_next_one_run() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_backward_nested_in_a_pass_that_holds_the_gradients_does_not_wait_for_it() -> None:
+def test_a_backward_nested_in_a_pass_that_holds_the_gradients_does_not_wait_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A reentrant checkpoint runs its backward as a pass nested in the caller's, on the same thread: waiting
     # there for the outer pass, which already set the GPipe's gradients aside, would wait forever. It
     # accumulates into .grad directly instead.
@@ -879,13 +901,14 @@ def test_a_backward_nested_in_a_pass_that_holds_the_gradients_does_not_wait_for_
     piped = cpu_gpipe(model, [2, 2], chunks=2)
     x1, x2 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
     taken: List[bool] = []
-    take = piped._runner.lease.take
+    lease = process_lease()
+    take = lease.take
 
     def spy(*, may_wait: bool) -> bool:
         taken.append(take(may_wait=may_wait))
         return taken[-1]
 
-    piped._runner.lease.take = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(lease, "take", spy)
     nested = checkpoint(piped, x1, use_reentrant=True)
     outer = piped(x2)  # made later, so the engine runs its backward first
     (nested.sum() + outer.sum()).backward()

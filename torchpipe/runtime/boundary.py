@@ -22,8 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-__all__ = ["Boundary", "is_differentiable", "make_leaves", "alias", "takes_leaves", "own_gradients", "own_version",
-           "holding"]
+__all__ = ["Boundary", "is_differentiable", "make_leaves", "alias", "takes_leaves", "own_gradients", "own_version"]
 
 
 class Boundary(torch.autograd.Function):
@@ -145,24 +144,18 @@ def own_gradients(
     touching no ``.grad``) and runs the parameters' hooks then, once, on the
     whole gradient, as without GPipe. So for the block each parameter's
     ``.grad`` is set aside and its hooks are silenced (emptied in place, the
-    engine reads them from the same dict), then both are put back. Only the
-    stage's own worker runs its backward, so no other backward of the stage
-    sees the swap; a parameter tied to another worker's stage has a lock that
-    worker's backward waits for, and the engine of another thread's backward
-    pass, which would add into ``.grad`` or run the hooks, is kept out by
-    [Note: gradient lease].
+    engine reads them from the same dict), then both are put back. A
+    pipeline runs one phase at a time (the runner's phase lock), so no other
+    step's backward sees the swap; a parameter tied to another worker's stage
+    has a lock that worker's backward waits for; and the engine of another
+    thread's backward pass, which would add into ``.grad`` or run the hooks
+    after its own phase, is kept out by [Note: gradient lease].
     """
-    with holding(locks), _swapped(params, sums) as found:
-        yield found
-
-
-@contextmanager
-def holding(locks: Sequence[threading.Lock]) -> Generator[None, None, None]:
-    """Holds ``locks`` (taken in their order) for the block."""
     with contextlib.ExitStack() as held:
         for lock in locks:
             held.enter_context(lock)
-        yield
+        with _swapped(params, sums) as found:
+            yield found
 
 
 @contextmanager

@@ -6,6 +6,7 @@ from torch import Tensor
 
 from torchpipe import microbatch
 from torchpipe.microbatch import Batch
+from torchpipe.runtime.lease import may_wait, process_lease
 from torchpipe.runtime.step import Step
 from torchpipe.runtime.ties import need_all_copies, sum_copies
 
@@ -114,13 +115,10 @@ class PipelineFunction(torch.autograd.Function):
         # engine knows whether it will run the view of each parameter this function took as input.
         edges = ctx.next_functions[layout.phony + len(layout.positions) :]
         wanted = [_will_run(edge[0]) for edge in edges]
-        if any(wanted) or step.direct:
-            # Setting the gradients aside is one backward pass's at a time (see [Note: gradient lease]), and so
-            # is a joined graph's backward, which adds into other workers' parameters: wait for another thread's
-            # pass where this thread may, else accumulate into .grad directly.
-            on_caller = all(g is None or g.device.type == "cpu" for g in grad_outputs)
-            if not step.runner.lease.take(may_wait=on_caller):
-                step.direct = True
+        if any(wanted) and not step.direct:
+            # Setting the gradients aside is one backward pass's at a time (see [Note: gradient lease]): wait
+            # for another thread's pass where this thread may, else accumulate into .grad directly.
+            step.direct = not process_lease().take(may_wait=may_wait(grad_outputs))
         needed = iter([wants and not step.direct for wants in wanted])
         step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
         copies = step.runner.tied_copies

@@ -1,4 +1,4 @@
-"""Which backward may set a GPipe's parameter gradients aside: one backward pass (graph task) at a time.
+"""Which backward may set GPipe's parameter gradients aside: one backward pass (graph task) at a time.
 
 [Note: gradient lease] GPipe's backward sets each parameter's ``.grad`` and
 hooks aside on the stage workers while a micro-batch's backward runs (see
@@ -6,33 +6,41 @@ hooks aside on the stage workers while a micro-batch's backward runs (see
 which accumulates them into ``.grad`` after the function returns. Within one
 backward pass that is safe: the engine runs a parameter's accumulator once,
 after every node that sends it a gradient, so after every GPipe call of the
-pass has finished setting aside. Two passes in two threads (one GPipe trained
-from several threads) are not: one thread's engine may add into ``.grad``, or
-run the hooks, while a worker has them set aside for the other thread's step;
-a gradient was lost, or the accumulator found its ``.grad`` gone in the middle
-of its in-place add ("Bad in-place call", "bump_version() on undefined
-tensor"), in 4 to 6% of such runs.
+pass has finished setting aside; and a pipeline runs one phase at a time.
+Two passes in two threads (one GPipe trained from several threads) are not:
+one thread's engine may add into ``.grad``, or run the hooks, after its
+GPipe's phase, while a worker has them set aside for the other thread's
+step; a gradient was lost, or the accumulator found its ``.grad`` gone in the
+middle of its in-place add ("Bad in-place call", "bump_version() on
+undefined tensor"), in 4 to 6% of such runs.
 
-So a GPipe's runner lends the right to set aside to one backward pass at a
-time, from its first GPipe backward until the engine has finished the pass
-(a callback the engine runs at the end of the pass, or, when the pass fails,
-the callback being freed with it). Another pass's GPipe backward waits for it
-where waiting is safe: on the thread that called its backward (a CPU output's
-backward runs there), which the lease's pass never needs. A backward the
-engine runs on a device's thread may not wait (the lease's pass may need that
-thread to finish), nor may one nested in the lease's pass on the same thread;
-those accumulate into ``.grad`` directly, as [Note: joined graphs] does, which
-is safe beside a pass that sets aside, because the stage workers run one
-backward at a time and a tied parameter's lock is held either way. A joined
-graph's backward takes the lease too (where it may wait): it adds into
-parameters of other workers' stages, which another pass may have set aside.
+So the right to set aside is lent to one backward pass at a time (one lease
+for the process: a lease per GPipe, taken in different orders by two threads'
+passes, could make each wait for the other), from its first GPipe backward
+until the engine has finished the pass (a callback the engine runs at the end
+of the pass, or, when the pass fails, the callback being freed with it).
+Another pass's GPipe backward waits for it where waiting is safe: on a thread
+of Python's own that called its backward (a CPU output's backward runs
+there), which the holder's pass never needs. A backward the engine runs on a
+device's thread may not wait (the holder may need that thread to finish), nor
+may one nested in the holder's pass on the same thread (a reentrant
+checkpoint); those accumulate into ``.grad`` directly, as [Note: joined
+graphs] does: correct sums, but each micro-batch's gradient reaches ``.grad``
+(and the parameters' hooks) on its own, and ``torch.autograd.grad`` with
+respect to the parameters finds none. What the lease does not cover: a
+parameter that also gets a gradient outside the GPipe, from another thread's
+pass, and a backward that waits for another thread's (a barrier in a hook),
+which may wait for ever beside a pass waiting here.
 """
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
+from torch import Tensor
 
-__all__ = ["GradientLease"]
+from torchpipe.worker import fork_generation
+
+__all__ = ["GradientLease", "process_lease", "may_wait"]
 
 
 def _graph_task() -> object:
@@ -41,8 +49,16 @@ def _graph_task() -> object:
     return current() if current is not None else object()
 
 
+def may_wait(grads: Sequence[Optional[Tensor]]) -> bool:
+    """Whether the backward of a node that receives ``grads`` may wait for another pass: the engine runs a node
+    whose gradients are all on the CPU on the thread that called the backward (a device's on its own thread,
+    which Python did not make), unless that backward was itself started on such a thread."""
+    on_cpu = all(g is None or g.device.type == "cpu" for g in grads)
+    return on_cpu and not isinstance(threading.current_thread(), threading._DummyThread)
+
+
 class GradientLease:
-    """Lends the right to set a GPipe's parameter gradients aside to one backward pass at a time
+    """Lends the right to set GPipe's parameter gradients aside to one backward pass at a time
     (see [Note: gradient lease])."""
 
     def __init__(self) -> None:
@@ -67,8 +83,9 @@ class GradientLease:
                     return False
                 self._changed.wait()
             if self._holder is None:
-                self._holder, self._thread = task, me
+                # The callback first: if the engine refuses it, nothing is held.
                 torch.autograd.Variable._execution_engine.queue_callback(_Release(self, task))
+                self._holder, self._thread = task, me
             return True
 
     def release(self, task: object) -> None:
@@ -94,3 +111,15 @@ class _Release:
 
     def __del__(self) -> None:
         self()
+
+
+_lease = GradientLease()
+_lease_generation = fork_generation()
+
+
+def process_lease() -> GradientLease:
+    """The process's lease (a fresh one in a process forked from ours: see [Note: fork])."""
+    global _lease, _lease_generation
+    if _lease_generation != fork_generation():
+        _lease, _lease_generation = GradientLease(), fork_generation()
+    return _lease

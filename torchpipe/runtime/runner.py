@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from torchpipe.microbatch import Batch
 from torchpipe.runtime.driver import StageHooks, lifecycle
 from torchpipe.runtime.executor import execute
-from torchpipe.runtime.lease import GradientLease
 from torchpipe.runtime.step import Plan, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
 from torchpipe.schedule import Kind, Schedule, simulate, validate, with_recomputation
@@ -107,8 +106,6 @@ class Runner:
         self._generation = fork_generation()
         self._lock = threading.Lock()
         self._phase_lock = threading.Lock()
-        #: Which backward pass may set GPipe's parameter gradients aside (see [Note: gradient lease]).
-        self.lease = GradientLease()
         self._workers = None
         self.share(getattr(self, "_shared", []))
 
@@ -119,7 +116,7 @@ class Runner:
     def __getstate__(self) -> Dict[str, Any]:
         # Copies (deepcopy, pickle) get their own workers, streams and locks.
         state = self.__dict__.copy()
-        for name in ("_lock", "_phase_lock", "lease", "_workers", "_copy_streams", "_plans", "shared_locks"):
+        for name in ("_lock", "_phase_lock", "_workers", "_copy_streams", "_plans", "shared_locks"):
             state.pop(name, None)
         return state
 

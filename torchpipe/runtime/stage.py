@@ -29,7 +29,7 @@ from torchpipe import microbatch, trace
 from torchpipe.context import task_context
 from torchpipe.microbatch import Batch
 from torchpipe.rng import streams
-from torchpipe.runtime.boundary import alias, holding, is_differentiable, make_leaves, own_gradients, own_version
+from torchpipe.runtime.boundary import alias, is_differentiable, make_leaves, own_gradients, own_version
 from torchpipe.runtime.skips import StageSkips, received_skips, stashed_roots
 from torchpipe.runtime.step import StageState, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
@@ -281,15 +281,10 @@ def backward(step: Step, action: Action) -> None:
     found: List[Optional[Tensor]]
     if not roots:
         found = [None] * len(inputs)
-    elif step.needed is None:
-        # A Pipeline step: gradients accumulate into .grad, as loss.backward() on the plain module would.
+    elif step.needed is None or step.direct:
+        # A Pipeline step: gradients accumulate into .grad, as loss.backward() on the plain module would (and a
+        # GPipe step's that may not set them aside: [Note: joined graphs], [Note: gradient lease]).
         torch.autograd.backward(roots, grads, retain_graph=keep)
-        found = [x.grad if x.requires_grad else None for x in inputs]
-    elif step.direct:
-        # GPipe accumulating into .grad directly ([Note: joined graphs], [Note: gradient lease]): under the
-        # locks of the parameters shared with another worker's stage, which may be setting them aside.
-        with holding(step.runner.shared_locks[s]):
-            torch.autograd.backward(roots, grads, retain_graph=keep)
         found = [x.grad if x.requires_grad else None for x in inputs]
     elif any(step.stage_params) and not any(any(needed) for needed in step.needed):
         # The caller asked for no parameter's gradient (torch.autograd.grad(output, input)): touch no .grad.
