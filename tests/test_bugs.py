@@ -70,14 +70,20 @@ def test_backward_after_the_data_parallel_wrapper_was_dropped_finishes(wrapper: 
 
 def _in_child(fn: Callable[[], float]) -> float:
     """Runs ``fn`` in a child made by os.fork; its result, or a failure if it raised or hung (20 s)."""
+    import faulthandler
+    import tempfile
+
     context = multiprocessing.get_context("fork")
     parent, child = context.Pipe()
+    stacks = tempfile.TemporaryFile(mode="w+")
 
     def target() -> None:
         # One intra-op thread in the child: GNU OpenMP is not fork-safe, and a child of a parent whose OpenMP
         # pool had run crashed in a Linear's parallel kernel (seen once under ATEN_CPU_CAPABILITY=default).
         # What is tested here is torchpipe's own threads, which every thread count exercises.
         torch.set_num_threads(1)
+        # A hang (seen once in a whole-suite run, the DataParallel child) leaves every thread's stack here.
+        faulthandler.dump_traceback_later(15, file=stacks)
         try:
             child.send(("ok", fn()))
         except BaseException as exc:  # noqa: B036 - reported to the parent
@@ -87,11 +93,13 @@ def _in_child(fn: Callable[[], float]) -> float:
     process.start()
     try:
         if not parent.poll(20):
-            pytest.fail("the forked child hung")
+            stacks.seek(0)
+            pytest.fail(f"the forked child hung; its threads' stacks after 15 s:\n{stacks.read()}")
         status, value = parent.recv()
     finally:
         process.kill()
         process.join(5)
+        stacks.close()
     assert status == "ok", value
     return float(value)
 
