@@ -9,7 +9,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Set, Tuple
 
 import pytest
 import torch
@@ -794,6 +794,44 @@ class _Gate(torch.autograd.Function):
         return grad, None
 
 
+class _LeaseSpy:
+    """Records every call of the process lease's ``take`` (each GPipe backward that would set gradients aside):
+    the threads that entered it, and each call's thread and answer once it returned."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered: Set[int] = set()
+        self.returned: List[Tuple[int, bool]] = []
+        lease = process_lease()
+        take = lease.take
+
+        def spy(*, may_wait: bool) -> bool:
+            me = threading.get_ident()
+            self.entered.add(me)
+            got = take(may_wait=may_wait)
+            self.returned.append((me, got))
+            return got
+
+        monkeypatch.setattr(lease, "take", spy)
+
+    @property
+    def answers(self) -> List[bool]:
+        return [got for _, got in self.returned]
+
+
+def _gpipe_and_plain(chunks: int) -> Tuple[GPipe, nn.Sequential]:
+    torch.manual_seed(0)
+    model = mlp(2, 4)
+    plain = copy.deepcopy(model)
+    return cpu_gpipe(model, [2, 2], chunks=chunks), plain
+
+
+def _assert_both_steps_in_grads(piped: GPipe, plain: nn.Sequential, x1: Tensor, x2: Tensor) -> None:
+    plain(x1).sum().backward()
+    plain(x2).sum().backward()
+    for got, want in zip(grads_of(piped), grads_of(plain)):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
 def test_one_gpipe_trained_from_several_threads_gets_every_gradient() -> None:
     # A stage worker sets the parameters' .grad aside while it runs a micro-batch's backward (to return their
     # sums to the autograd engine). Another thread's engine, adding its step's sums into .grad at that moment,
@@ -826,10 +864,7 @@ def test_a_threads_backward_waits_until_another_threads_pass_has_its_gradients(
 ) -> None:
     # What keeps the threads apart: the pass that set a GPipe's gradients aside holds them until the engine has
     # finished it (here it is held up in a node behind the GPipe), and another thread's GPipe backward waits.
-    torch.manual_seed(0)
-    model = mlp(2, 4)
-    plain = copy.deepcopy(model)
-    piped = cpu_gpipe(model, [2, 2], chunks=4)
+    piped, plain = _gpipe_and_plain(chunks=4)
     seen: List[Tensor] = []
     piped[0].weight.register_hook(lambda g: seen.append(g.clone()))
     x1, x2 = torch.randn(8, 4, requires_grad=True), torch.randn(8, 4)
@@ -839,40 +874,26 @@ def test_a_threads_backward_waits_until_another_threads_pass_has_its_gradients(
         held.set()
         assert go.wait(30)
 
-    lease = process_lease()
-    take = lease.take
-    entered: Dict[int, threading.Event] = {}
-    returned: Dict[int, bool] = {}
-
-    def spy(*, may_wait: bool) -> bool:
-        me = threading.get_ident()
-        entered.setdefault(me, threading.Event()).set()
-        got = take(may_wait=may_wait)
-        returned[me] = got
-        return got
-
-    monkeypatch.setattr(lease, "take", spy)
+    spy = _LeaseSpy(monkeypatch)
     first = threading.Thread(target=lambda: piped(_Gate.apply(x1, hold)).sum().backward())
     second = threading.Thread(target=lambda: piped(x2).sum().backward())
     first.start()
     assert held.wait(30)
     second.start()
-    while second.ident is None or second.ident not in entered:  # its forward done, its GPipe backward begun
+    while second.ident is None or second.ident not in spy.entered:  # its forward done, its GPipe backward begun
         assert second.is_alive()
         time.sleep(0.01)
     time.sleep(0.3)
-    assert second.ident not in returned, "the second thread's backward went on while the first pass held the lease"
+    assert second.ident not in dict(spy.returned), \
+        "the second thread's backward went on while the first pass held the lease"
     go.set()
     first.join(30)
     second.join(30)
     assert not first.is_alive() and not second.is_alive()
     assert not process_lease().held
-    plain(x1).sum().backward()
-    plain(x2).sum().backward()
-    for got, want in zip(grads_of(piped), grads_of(plain)):
-        assert torch.allclose(got, want, atol=1e-6)
+    _assert_both_steps_in_grads(piped, plain, x1, x2)
     assert len(seen) == 2  # the hook ran once a pass, on the pass's whole gradient
-    assert list(returned.values()) == [True, True]  # both set their gradients aside
+    assert spy.answers == [True, True]  # both set their gradients aside
 
 
 @pytest.mark.timeout(60)
@@ -903,25 +924,11 @@ def test_a_backward_nested_in_a_pass_that_holds_the_gradients_does_not_wait_for_
     # accumulates into .grad directly instead.
     from torch.utils.checkpoint import checkpoint
 
-    torch.manual_seed(0)
-    model = mlp(2, 4)
-    plain = copy.deepcopy(model)
-    piped = cpu_gpipe(model, [2, 2], chunks=2)
+    piped, plain = _gpipe_and_plain(chunks=2)
     x1, x2 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
-    taken: List[bool] = []
-    lease = process_lease()
-    take = lease.take
-
-    def spy(*, may_wait: bool) -> bool:
-        taken.append(take(may_wait=may_wait))
-        return taken[-1]
-
-    monkeypatch.setattr(lease, "take", spy)
+    spy = _LeaseSpy(monkeypatch)
     nested = checkpoint(piped, x1, use_reentrant=True)
     outer = piped(x2)  # made later, so the engine runs its backward first
     (nested.sum() + outer.sum()).backward()
-    assert taken == [True, False]
-    plain(x1).sum().backward()
-    plain(x2).sum().backward()
-    for got, want in zip(grads_of(piped), grads_of(plain)):
-        assert torch.allclose(got, want, atol=1e-6)
+    assert spy.answers == [True, False]
+    _assert_both_steps_in_grads(piped, plain, x1, x2)

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from torchpipe import microbatch
 from torchpipe.microbatch import Batch
-from torchpipe.runtime.lease import may_wait, process_lease
+from torchpipe.runtime.lease import can_wait, process_lease
 from torchpipe.runtime.step import Step
 from torchpipe.runtime.ties import need_all_copies, sum_copies
 
@@ -118,7 +118,7 @@ class PipelineFunction(torch.autograd.Function):
         if any(wanted) and not step.direct:
             # Setting the gradients aside is one backward pass's at a time (see [Note: gradient lease]): wait
             # for another thread's pass where this thread may, else accumulate into .grad directly.
-            step.direct = not process_lease().take(may_wait=may_wait(grad_outputs))
+            step.direct = not process_lease().take(may_wait=can_wait(grad_outputs))
         needed = iter([wants and not step.direct for wants in wanted])
         step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
         copies = step.runner.tied_copies

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from torchpipe.worker import fork_generation
 
-__all__ = ["GradientLease", "process_lease", "may_wait"]
+__all__ = ["GradientLease", "process_lease", "can_wait"]
 
 
 def _graph_task() -> object:
@@ -49,7 +49,7 @@ def _graph_task() -> object:
     return current() if current is not None else object()
 
 
-def may_wait(grads: Sequence[Optional[Tensor]]) -> bool:
+def can_wait(grads: Sequence[Optional[Tensor]]) -> bool:
     """Whether the backward of a node that receives ``grads`` may wait for another pass: the engine runs a node
     whose gradients are all on the CPU on the thread that called the backward (a device's on its own thread,
     which Python did not make), unless that backward was itself started on such a thread."""
