@@ -293,6 +293,34 @@ def start_fails(rank: int, world: int, shared: bool = False) -> Dict[str, Any]:
     return report
 
 
+def begin_fails(rank: int, world: int, failing: int, where: str) -> Dict[str, Any]:
+    """Rank ``failing`` fails after the second step's start is known and before its first action: making the
+    step's state (``where="step"``) or its transport (``"transport"``). The other ranks, already in the step,
+    waiting for its messages, raise; a third step works everywhere."""
+    from torchpipe.distributed import step as distributed_step
+
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(world)]), [1] * world, chunks=2, loss_fn=mse,
+                    schedule="1f1b", group=dist.group.WORLD)
+    x = torch.randn(4, 6)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    name = {"step": "Step", "transport": "DistributedTransport"}[where]
+    original = getattr(distributed_step, name)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected: no {where} on rank {rank}")
+
+    if rank == failing:
+        setattr(distributed_step, name, broken)
+    try:
+        report = _failing_step(pipe, x, rank, world)
+    finally:
+        setattr(distributed_step, name, original)
+    if where == "step":  # the failing rank still made a transport to abort with: the pairs are in step
+        report["next step"] = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+    return report
+
+
 def waits_in_vain(rank: int, world: int) -> Dict[str, Any]:
     """Rank 1 waits for the second step's start longer than the pipeline's timeout (1 s here): it raises, and so
     does rank 0, whose step then finds the failure."""

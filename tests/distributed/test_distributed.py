@@ -125,6 +125,26 @@ def test_a_failure_before_the_start_wakes_the_ranks_waiting_for_it(shared: bool)
     assert reports[0]["next step"] == reports[1]["next step"] == reports[2]["next step"]
 
 
+@pytest.mark.parametrize("failing, where", [(0, "step"), (1, "step"), (0, "transport")])
+def test_a_failure_between_the_start_and_the_first_action_ends_the_step_everywhere(failing: int, where: str) -> None:
+    # Story: a rank that failed after the step's start was known (rank 0 had published it, or rank 1 read it)
+    # but before its transport existed raised without recording its failure: the other rank, in the step,
+    # waited for its messages until the pipeline's timeout (30 minutes). It also sent no aborts, so the other's
+    # aborts to it were never received, and the next step found the pair broken.
+    reports = ok(launch("tests.distributed.ranks:begin_fails", 2, timeout=90, failing=failing, where=where))
+    assert reports[failing]["raised"] == "RuntimeError", reports[failing]
+    other = reports[1 - failing]
+    assert other["raised"] == "PipelineError", other
+    assert f"rank {failing} failed to begin its step: RuntimeError: injected" in other["message"], other
+    assert other["seconds"] < 40, other
+    if where == "step":
+        # The failing rank made a transport all the same, to send its aborts and take the other's: the pairs
+        # stay in step. (Where the transport itself cannot be made, the other's aborts are never received and
+        # give up after 10 s, leaving the pair out of step, as after a death.)
+        assert other["seconds"] < 15, other
+        assert reports[0]["next step"] == reports[1]["next step"]
+
+
 def test_a_wait_in_the_store_that_outlives_the_timeout_fails_the_step_everywhere() -> None:
     reports = ok(launch("tests.distributed.ranks:waits_in_vain", 2))
     assert reports[1]["raised"] == "PipelineError", reports[1]

@@ -73,15 +73,24 @@ def run_step(
         channel.leave_failed(sequence)  # the step failed before it began: see [Note: leaving the store]
         raise
     step_loss: Optional[Loss] = None
-    if loss is not None:
-        step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
-    step = Step(
-        runner, batches, grad_enabled=training, training=module_training,
-        checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
-    )
-    step.timings = timings
-    plan = step.plan.schedule if training else step.plan.forward
-    step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
+    transport: Optional[DistributedTransport] = None
+    try:
+        # The start is known everywhere: the other ranks are in the step, waiting for this one's messages. A
+        # failure now must be recorded, or they wait for them until the pipeline's timeout.
+        if loss is not None:
+            step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
+        step = Step(
+            runner, batches, grad_enabled=training, training=module_training,
+            checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
+        )
+        step.timings = timings
+        plan = step.plan.schedule if training else step.plan.forward
+        step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
+    except BaseException as exc:
+        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {type(exc).__name__}: {exc}")
+        _abandon(runner, channel, sequence, devices, training, len(batches), checkpoint_stop, transport)
+        channel.leave_failed(sequence)
+        raise
     progress = Progress()
     committed = False
     mine: List[float] = []  # what this rank tells every rank as it ends: the last stage's rank, the loss
@@ -128,6 +137,29 @@ def run_step(
         result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs
+
+
+def _abandon(
+    runner: Runner,
+    channel: Channel,
+    sequence: int,
+    devices: Sequence[torch.device],
+    training: bool,
+    microbatches: int,
+    checkpoint_stop: Callable[[int], int],
+    transport: Optional[DistributedTransport],
+) -> None:
+    """After this rank failed between the step's start and its first action: does what a failed step's transport
+    does (see [Note: abort messages]), making it first if need be, so that the peers, which are in the step, stop
+    waiting for this rank's messages and their pairs with it stay in step for the next one."""
+    try:
+        if transport is None:
+            plan = runner.plan(microbatches, checkpoint_stop(microbatches))
+            schedule = plan.schedule if training else plan.forward
+            transport = DistributedTransport(channel, sequence, schedule, plan.sends, devices)
+        transport.fail()
+    except Exception:  # noqa: BLE001 - the step's own error is raised; the peers learn it from the store
+        pass  # and their sends to this rank time out: then the pairs are out of step (as after a death)
 
 
 def _start(
