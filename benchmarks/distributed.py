@@ -17,7 +17,8 @@ ideal* on this machine is then 0.5 / that ratio (the *machine line*). Also: the 
 processes to the end of the first step, per library, and the fixed cost of a
 step (a 2x8 MLP, batch 8: the messages of 8 micro-batches with next to no
 computing), for steps back to back, as in training, and for one step after a
-barrier (idle threads, cold caches).
+barrier (idle threads, cold caches), with the CPU time a step back to back
+takes on both ranks, by kind of thread (from ``/proc``: Linux only).
 
 Configurations: torchpipe ``gpipe`` and ``1f1b``; ``torch.distributed.pipelining``'s
 ``ScheduleGPipe`` and ``Schedule1F1B`` (its stages take the same halves of the model).
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -141,6 +142,7 @@ def rank_main(
     pipe_times: List[float] = []
     two_processes: List[float] = []
     burst_times: List[float] = []
+    burst_cpu: Dict[str, Tuple[float, int]] = {}  # per kind of thread: CPU seconds and context switches
     ideal = (CHUNKS + WORLD - 1) / (CHUNKS * WORLD)
     for _ in range(rounds):
         dist.barrier()
@@ -157,10 +159,15 @@ def rank_main(
         pipe_times.append(time.perf_counter() - start)
         if burst:  # steps back to back, as in training (one step after a barrier starts on idle threads)
             dist.barrier()
+            before = common.thread_cpu()
             start = time.perf_counter()
             for _ in range(burst):
                 runner.step(x, y)
             burst_times.append((time.perf_counter() - start) / burst)
+            for kind, (seconds, switches) in common.thread_cpu().items():
+                was = before.get(kind, (0.0, 0))
+                cpu, count = burst_cpu.get(kind, (0.0, 0))
+                burst_cpu[kind] = (cpu + seconds - was[0], count + switches - was[1])
         dist.barrier()
         if rank == 0:  # both halves one after the other, then each rank its half at once
             start = time.perf_counter()
@@ -181,6 +188,11 @@ def rank_main(
             two_processes.append(max(float(took), float(other)) / one_after_other)
             ratios.append(plain_times[-1] / pipe_times[-1])
             of_ideal.append(ideal * hand_times[-1] / pipe_times[-1])
+    if burst_times:  # every rank's threads: per step, CPU milliseconds and context switches
+        steps = burst * len(burst_times)
+        Path(f"{out}.cpu{rank}").write_text(json.dumps(
+            {kind: [seconds / steps * 1e3, switches / steps] for kind, (seconds, switches) in burst_cpu.items()}
+        ))
     if rank == 0:
         Path(out).write_text(json.dumps({
             "speedup": statistics.median(ratios), "of_ideal": statistics.median(of_ideal),
@@ -207,7 +219,10 @@ def measure(
                      "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned),
                      "--layers", str(layers), "--width", str(width), "--burst", str(burst)] for rank in range(WORLD)]
         common.run_ranks(commands, common.rank_environment(port), timeout, f"{library} {schedule} batch {batch}")
-        return dict(json.loads(Path(out).read_text()))
+        result = dict(json.loads(Path(out).read_text()))
+        if burst:
+            result["cpu"] = [json.loads(Path(f"{out}.cpu{rank}").read_text()) for rank in range(WORLD)]
+        return result
 
 
 def main() -> None:
@@ -255,11 +270,20 @@ def main() -> None:
         result = measure(library, schedule, FIXED_BATCH, max(args.rounds, 30), layers=FIXED_LAYERS,
                          width=FIXED_WIDTH, burst=FIXED_BURST)
         results[f"{library} {schedule} fixed cost"] = result
-        fixed.append([f"{library} {schedule}", result["pipe_burst_ms"], result["pipe_ms"]])
-    print(common.format_table(["configuration", "fixed cost of a step, ms", "after a barrier, ms"], fixed))
+        cpu = result["cpu"]
+        per_kind = [sum(rank.get(kind, [0.0, 0.0])[0] for rank in cpu) for kind in common.THREAD_KINDS]
+        switches = sum(value[1] for rank in cpu for value in rank.values())
+        fixed.append([f"{library} {schedule}", result["pipe_burst_ms"], result["pipe_ms"], sum(per_kind), *per_kind,
+                      switches])
+    print(common.format_table(["configuration", "fixed cost of a step, ms", "after a barrier, ms", "CPU ms",
+                               *(f"{kind} ms" for kind in common.THREAD_KINDS), "switches"], fixed))
     print(f"(median step time of a {FIXED_LAYERS}x{FIXED_WIDTH} MLP, batch {FIXED_BATCH}, chunks {CHUNKS}: "
           f"{CHUNKS} micro-batches cross each way with next to no computing; steps {FIXED_BURST} back to back, as "
-          "in training, and one step after a barrier, which starts on idle threads and cold caches)")
+          "in training, and one step after a barrier, which starts on idle threads and cold caches; CPU ms: the "
+          "CPU time of a step back to back, both ranks' threads together, then by kind of thread (main: the one "
+          "that calls step(); gloo: its transport's; store: the torch.distributed store's server, in rank 0; other "
+          "threads: the ones Python started); switches: their context switches a step. Where the CPU ms pass "
+          "the cores' share of the step time, the step waits for the cores, not for the messages)")
     if args.json:
         common.save_json(args.json, {"results": results, "goals": GOALS})
 
