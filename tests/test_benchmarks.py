@@ -4,6 +4,8 @@ No timing is asserted: these only keep the benchmark code from rotting.
 """
 import importlib
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Tuple
 
@@ -198,6 +200,38 @@ def test_the_distributed_benchmark_measures_both_libraries(library: str, schedul
     # Two processes each doing half the work at once take more than a quarter and less than twice the time
     # of one doing both halves; the machine line is the ideal's share that allows.
     assert 0.25 < figures["two_processes"] < 2 and figures["machine_line"] == 0.5 / figures["two_processes"]
+    # The CPU of the steps back to back, per rank and kind of thread: every rank has its main thread, which
+    # waited for messages (context switches), and gloo's threads.
+    assert len(figures["cpu"]) == distributed.WORLD
+    for rank in figures["cpu"]:
+        assert {"main", "gloo"} <= set(rank) <= set(common.THREAD_KINDS), rank
+        assert all(ms >= 0 and switches >= 0 for ms, switches in rank.values()), rank
+        assert rank["main"][1] > 0, rank
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread_cpu reads /proc")
+def test_thread_cpu_counts_each_kind_of_thread() -> None:
+    stop = threading.Event()
+    spun = threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        stop.wait()
+
+    before = common.thread_cpu()
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert spun.wait(30)
+        after = common.thread_cpu()  # the thread is still there: its CPU counts
+    finally:
+        stop.set()
+        thread.join()
+    assert after["other threads"][0] - before.get("other threads", (0.0, 0))[0] >= 0.2, (before, after)
+    assert after["main"][0] >= before["main"][0] and after["main"][1] >= before["main"][1]
 
 
 def test_the_language_model_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
