@@ -263,17 +263,25 @@ def example_losses(rank: int, world: int) -> List[float]:
     return losses
 
 
-def mismatched_modes(rank: int, world: int) -> str:
-    """Rank 1 calls step() in eval mode while rank 0 trains: both raise, nobody waits."""
-    pipe = Pipeline(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)), [1, 1], loss_fn=mse, group=dist.group.WORLD)
-    if rank == 1:
+def mismatched_modes(rank: int, world: int, evaluating: int = 1) -> Dict[str, Any]:
+    """Rank ``evaluating`` calls step() in eval mode while the other trains: both raise, nobody waits; then a
+    step in the same mode everywhere works."""
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)), [1, 1], chunks=2, loss_fn=mse,
+                    group=dist.group.WORLD)
+    if rank == evaluating:
         pipe.eval()
     x = torch.randn(4, 6)
+    report: Dict[str, Any] = {"raised": "no error"}
+    start = time.monotonic()
     try:
         pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     except (PipelineError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        report["raised"] = f"{type(exc).__name__}: {exc}"
+    report["seconds"] = time.monotonic() - start
+    pipe.train()
+    report["next step"] = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+    return report
 
 
 def start_fails(rank: int, world: int, shared: bool = False) -> Dict[str, Any]:

@@ -68,7 +68,9 @@ def run_step(
     rank = channel.rank
     last = runner.stage_workers[-1]
     try:
-        batches, inputs, counts, total = _start(runner, channel, sequence, devices, chunks, input, training)
+        batches, inputs, counts, total = _start(
+            runner, channel, sequence, devices, chunks, input, training, checkpoint_stop
+        )
     except BaseException:
         channel.leave_failed(sequence)  # the step failed before it began: see [Note: leaving the store]
         raise
@@ -170,6 +172,7 @@ def _start(
     chunks: int,
     input: Optional[TensorOrTensors],
     training: bool,
+    checkpoint_stop: Callable[[int], int],
 ) -> Tuple[List[Optional[Batch]], Tuple[Tensor, ...], List[int], int]:
     """Agrees on step ``sequence``'s shape: this rank's micro-batches (their inputs on the first stage's
     rank), its input tensors, each micro-batch's size, and every replica's number of samples."""
@@ -208,6 +211,10 @@ def _start(
                 "call step() in the same mode (train/eval, grad enabled) everywhere"
             )
             channel.fail(sequence, message)
+            # This replica's other ranks are in the step the first stage's rank started, in its mode: take part
+            # in it as a failed rank does, so that they stop waiting for this one and stay in step with it.
+            own = shapes[channel.replica]
+            _abandon(runner, channel, sequence, devices, bool(own[1]), len(own) - 2, checkpoint_stop, None)
             raise ValueError(message)
     counts = [int(n) for n in shapes[channel.replica][2:]]
     if rank != first:
