@@ -267,11 +267,13 @@ def mismatched_modes(rank: int, world: int, evaluating: int = 1) -> Dict[str, An
     """Rank ``evaluating`` calls step() in eval mode while the other trains: both raise, nobody waits; then a
     step in the same mode everywhere works."""
     torch.manual_seed(0)
-    pipe = Pipeline(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)), [1, 1], chunks=2, loss_fn=mse,
-                    group=dist.group.WORLD)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+    x = torch.randn(4, 6)
+    expected = float(mse(model(x), x))  # the plain module's loss: no step changes the parameters
+    pipe = Pipeline(model, [1, 1], chunks=2, loss_fn=mse, group=dist.group.WORLD)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)  # the messages' layouts are known
     if rank == evaluating:
         pipe.eval()
-    x = torch.randn(4, 6)
     report: Dict[str, Any] = {"raised": "no error"}
     start = time.monotonic()
     try:
@@ -280,7 +282,8 @@ def mismatched_modes(rank: int, world: int, evaluating: int = 1) -> Dict[str, An
         report["raised"] = f"{type(exc).__name__}: {exc}"
     report["seconds"] = time.monotonic() - start
     pipe.train()
-    report["next step"] = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+    loss = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+    report["next step"] = abs(loss - expected) <= 1e-5 * max(1.0, abs(expected))
     return report
 
 
@@ -308,9 +311,10 @@ def begin_fails(rank: int, world: int, failing: int, where: str) -> Dict[str, An
     from torchpipe.distributed import step as distributed_step
 
     torch.manual_seed(0)
-    pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(world)]), [1] * world, chunks=2, loss_fn=mse,
-                    schedule="1f1b", group=dist.group.WORLD)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(world)])
     x = torch.randn(4, 6)
+    expected = float(mse(model(x), x))  # the plain module's loss: no step changes the parameters
+    pipe = Pipeline(model, [1] * world, chunks=2, loss_fn=mse, schedule="1f1b", group=dist.group.WORLD)
     pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     name = {"step": "Step", "transport": "DistributedTransport"}[where]
     original = getattr(distributed_step, name)
@@ -325,7 +329,8 @@ def begin_fails(rank: int, world: int, failing: int, where: str) -> Dict[str, An
     finally:
         setattr(distributed_step, name, original)
     if where == "step":  # the failing rank still made a transport to abort with: the pairs are in step
-        report["next step"] = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+        loss = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+        report["next step"] = abs(loss - expected) <= 1e-5 * max(1.0, abs(expected))
     return report
 
 

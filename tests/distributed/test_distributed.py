@@ -112,8 +112,9 @@ def test_ranks_that_disagree_on_the_mode_both_raise_then_step_again(evaluating: 
     reports = ok(launch("tests.distributed.ranks:mismatched_modes", 2, evaluating=evaluating))
     assert reports[1]["raised"].startswith("ValueError") and "same mode" in reports[1]["raised"], reports[1]
     assert reports[0]["raised"].startswith("PipelineError") and "same mode" in reports[0]["raised"], reports[0]
-    assert max(report["seconds"] for report in reports) < 15, reports
-    assert reports[0]["next step"] == reports[1]["next step"]
+    # Within seconds, not after the 10 s a failed rank's sends wait for a peer that never takes them.
+    assert max(report["seconds"] for report in reports) < 8, reports
+    assert reports[0]["next step"] and reports[1]["next step"], reports  # the plain module's loss
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -148,8 +149,8 @@ def test_a_failure_between_the_start_and_the_first_action_ends_the_step_everywhe
         # The failing rank made a transport all the same, to send its aborts and take the other's: the pairs
         # stay in step. (Where the transport itself cannot be made, the other's aborts are never received and
         # give up after 10 s, leaving the pair out of step, as after a death.)
-        assert other["seconds"] < 15, other
-        assert reports[0]["next step"] == reports[1]["next step"]
+        assert other["seconds"] < 8, other  # not after the 10 s unanswered aborts wait
+        assert reports[0]["next step"] and reports[1]["next step"], reports  # the plain module's loss
 
 
 def test_a_wait_in_the_store_that_outlives_the_timeout_fails_the_step_everywhere() -> None:

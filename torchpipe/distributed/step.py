@@ -75,10 +75,10 @@ def run_step(
         channel.leave_failed(sequence)  # the step failed before it began: see [Note: leaving the store]
         raise
     step_loss: Optional[Loss] = None
-    transport: Optional[DistributedTransport] = None
+    # The start is known everywhere: the other ranks are in the step, waiting for this one's messages. A failure
+    # now must be recorded, or they wait for them until the pipeline's timeout.
+    making_transport = False
     try:
-        # The start is known everywhere: the other ranks are in the step, waiting for this one's messages. A
-        # failure now must be recorded, or they wait for them until the pipeline's timeout.
         if loss is not None:
             step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
         step = Step(
@@ -87,10 +87,12 @@ def run_step(
         )
         step.timings = timings
         plan = step.plan.schedule if training else step.plan.forward
+        making_transport = True
         step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
     except BaseException as exc:
         channel.fail(sequence, f"rank {channel.who} failed to begin its step: {type(exc).__name__}: {exc}")
-        _abandon(runner, channel, sequence, devices, training, len(batches), checkpoint_stop, transport)
+        if not making_transport:  # beside a half-made transport, a second would post the step's receives twice
+            _abandon(runner, channel, sequence, devices, training, len(batches), checkpoint_stop)
         channel.leave_failed(sequence)
         raise
     progress = Progress()
@@ -149,17 +151,15 @@ def _abandon(
     training: bool,
     microbatches: int,
     checkpoint_stop: Callable[[int], int],
-    transport: Optional[DistributedTransport],
 ) -> None:
-    """After this rank failed between the step's start and its first action: does what a failed step's transport
-    does (see [Note: abort messages]), making it first if need be, so that the peers, which are in the step, stop
-    waiting for this rank's messages and their pairs with it stay in step for the next one."""
+    """After this rank failed between the step's start and its first action, before it made the step's
+    transport: makes one and does what a failed step's transport does (see [Note: abort messages]), so that the
+    peers, which are in the step, stop waiting for this rank's messages and their pairs with it stay in step for
+    the next one. (Its recomputations send nothing: the messages' order does not depend on ``checkpoint_stop``.)"""
     try:
-        if transport is None:
-            plan = runner.plan(microbatches, checkpoint_stop(microbatches))
-            schedule = plan.schedule if training else plan.forward
-            transport = DistributedTransport(channel, sequence, schedule, plan.sends, devices)
-        transport.fail()
+        plan = runner.plan(microbatches, checkpoint_stop(microbatches))
+        schedule = plan.schedule if training else plan.forward
+        DistributedTransport(channel, sequence, schedule, plan.sends, devices).fail()
     except Exception:  # noqa: BLE001 - the step's own error is raised; the peers learn it from the store
         pass  # and their sends to this rank time out: then the pairs are out of step (as after a death)
 
@@ -214,7 +214,7 @@ def _start(
             # This replica's other ranks are in the step the first stage's rank started, in its mode: take part
             # in it as a failed rank does, so that they stop waiting for this one and stay in step with it.
             own = shapes[channel.replica]
-            _abandon(runner, channel, sequence, devices, bool(own[1]), len(own) - 2, checkpoint_stop, None)
+            _abandon(runner, channel, sequence, devices, bool(own[1]), len(own) - 2, checkpoint_stop)
             raise ValueError(message)
     counts = [int(n) for n in shapes[channel.replica][2:]]
     if rank != first:

@@ -17,7 +17,8 @@ time limit (gloo's timeout breaks the whole group) nor asked whether it is
 done, so a wait for a peer that may never send must be a thread's, while the
 stage polls the store for failures. That is the peer's first message of the
 step, which a receiving thread takes (the peer may have failed before it
-began the step: a rank that disagreed on the step's mode). Once it has come,
+began the step: a rank whose wait for the step's start timed out, or that
+could not make its transport). Once it has come,
 the peer is in the step, and for every receive posted it sends the message,
 or an abort in its place (see [Note: abort messages]), or its death closes
 the connection: the stage's own thread takes the rest off the wire when its
@@ -451,7 +452,7 @@ class DistributedTransport:
         for _, works, _ in self._pending:
             for work in works:
                 # A send completes when the peer receives it. A peer that failed before it made its transport
-                # (it disagreed on the step's mode, say) never will: give up on it after a while.
+                # (its wait for the step's start timed out, say) never will: give up on it after a while.
                 try:
                     work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 except RuntimeError:  # a dead peer, or the time is up
