@@ -282,8 +282,8 @@ def main() -> None:
           "in training, and one step after a barrier, which starts on idle threads and cold caches; CPU ms: the "
           "CPU time of a step back to back, both ranks' threads together, then by kind of thread (main: the one "
           "that calls step(); gloo: its transport's; store: the torch.distributed store's server, in rank 0; other "
-          "threads: the ones Python started); switches: their context switches a step. Where the CPU ms pass "
-          "the cores' share of the step time, the step waits for the cores, not for the messages)")
+          "threads: the ones Python started); switches: their context switches a step. CPU ms / step time: how "
+          "many cores the step keeps busy on average)")
     if args.json:
         common.save_json(args.json, {"results": results, "goals": GOALS})
 
