@@ -403,12 +403,12 @@ def thread_cpu() -> Dict[str, Tuple[float, int]]:
     """This process's CPU seconds and context switches so far, per kind of thread (:data:`THREAD_KINDS`: the
     main thread, gloo's, the ``torch.distributed`` store's server, the rest), from ``/proc/self/task`` (Linux;
     ``{}`` elsewhere). Threads that ended meanwhile are not counted; the CPU time is in clock ticks (10 ms)."""
-    tick = os.sysconf("SC_CLK_TCK")
     totals: Dict[str, Tuple[float, int]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return {}
+    tick = os.sysconf("SC_CLK_TCK")
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
@@ -423,7 +423,7 @@ def thread_cpu() -> Dict[str, Tuple[float, int]]:
         switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
         if int(tid) == os.getpid():
             kind = "main"
-        elif name.startswith("gloo"):
+        elif "gloo" in name:  # gloo_tcp_loop, pt_gloo_runloop
             kind = "gloo"
         elif name.startswith("pt_tcpstore"):
             kind = "store"
