@@ -9,7 +9,7 @@ action fails, its rank records the failure (rank, action, error) and raises the
 original exception; every other rank raises :class:`PipelineError` with that
 record.
 """
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -68,18 +68,21 @@ def run_step(
     rank = channel.rank
     last = runner.stage_workers[-1]
     try:
-        batches, inputs, counts, total = _start(
-            runner, channel, sequence, devices, chunks, input, training, checkpoint_stop
-        )
+        split, inputs, shapes = _start(runner, channel, sequence, devices, chunks, input, training)
     except BaseException:
         channel.leave_failed(sequence)  # the step failed before it began: see [Note: leaving the store]
         raise
+    # The start is known everywhere: the other ranks are in the step, in the mode its first stage's rank runs,
+    # waiting for this one's messages. A failure now must be recorded, or they wait for them until the pipeline's
+    # timeout, and this rank must still take part in the step as a failed rank does (see _abandon).
+    mode, counts = bool(shapes[channel.replica][1]), [int(n) for n in shapes[channel.replica][2:]]
     step_loss: Optional[Loss] = None
-    # The start is known everywhere: the other ranks are in the step, waiting for this one's messages. A failure
-    # now must be recorded, or they wait for them until the pipeline's timeout.
     making_transport = False
     try:
+        _check_modes(channel, sequence, runner.stage_workers[0], shapes, training)
+        batches: List[Optional[Batch]] = list(split) if split is not None else [None] * len(counts)
         if loss is not None:
+            total = sum(int(n) for values in shapes.values() for n in values[2:])
             step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
         step = Step(
             runner, batches, grad_enabled=training, training=module_training,
@@ -90,9 +93,10 @@ def run_step(
         making_transport = True
         step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
     except BaseException as exc:
+        # (A disagreement on the mode recorded its own message first: the first record stands.)
         channel.fail(sequence, f"rank {channel.who} failed to begin its step: {type(exc).__name__}: {exc}")
         if not making_transport:  # beside a half-made transport, a second would post the step's receives twice
-            _abandon(runner, channel, sequence, devices, training, len(batches), checkpoint_stop)
+            _abandon(runner, channel, sequence, devices, mode, len(counts), checkpoint_stop)
         channel.leave_failed(sequence)
         raise
     progress = Progress()
@@ -172,14 +176,14 @@ def _start(
     chunks: int,
     input: Optional[TensorOrTensors],
     training: bool,
-    checkpoint_stop: Callable[[int], int],
-) -> Tuple[List[Optional[Batch]], Tuple[Tensor, ...], List[int], int]:
-    """Agrees on step ``sequence``'s shape: this rank's micro-batches (their inputs on the first stage's
-    rank), its input tensors, each micro-batch's size, and every replica's number of samples."""
+) -> Tuple[Optional[List[Batch]], Tuple[Tensor, ...], Dict[int, List[float]]]:
+    """Agrees on step ``sequence``'s shape: on the first stage's rank its micro-batches (None elsewhere) and
+    input tensors; every replica's published start (its number of micro-batches, whether it trains, and each
+    micro-batch's size), by replica (this one's only, with a single replica)."""
     rank = channel.rank
     first = runner.stage_workers[0]
     inputs: Tuple[Tensor, ...] = ()
-    batches: List[Optional[Batch]]
+    split: Optional[List[Batch]] = None
     mine: List[float] = []
     if rank == first:
         try:
@@ -188,14 +192,13 @@ def _start(
             microbatch.check_input(input)
             input = transfer.move(input, devices[0])
             inputs = (input,) if isinstance(input, Tensor) else tuple(input)
-            split = microbatch.scatter(input, chunks)
+            split = list(microbatch.scatter(input, chunks))
         except BaseException as exc:
             channel.fail(sequence, f"rank {channel.who} could not split its input: {type(exc).__name__}: {exc}")
             raise
         sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
         mine = [float(len(split)), float(training)] + sizes
         channel.publish(sequence, "start", mine)
-        batches = list(split)
     # Every replica's shape: this one's to run, the others' for the total number of samples (what this rank
     # published it knows without a trip to the store).
     replicas = range(channel.replicas) if channel.replicas > 1 else [channel.replica]
@@ -203,6 +206,14 @@ def _start(
         r: mine if rank == first and r == channel.replica else channel.wait_for(sequence, "start", replica=r)
         for r in replicas
     }
+    return split, inputs, shapes
+
+
+def _check_modes(
+    channel: Channel, sequence: int, first: int, shapes: Dict[int, List[float]], training: bool
+) -> None:
+    """Raises ``ValueError`` (recorded as the step's failure) if a replica's first stage runs the step in another
+    mode than this rank."""
     for r, values in shapes.items():
         if bool(values[1]) != training:
             where = f"rank {first}, the first stage's" + (f", of replica {r}" if channel.replicas > 1 else "")
@@ -211,13 +222,4 @@ def _start(
                 "call step() in the same mode (train/eval, grad enabled) everywhere"
             )
             channel.fail(sequence, message)
-            # This replica's other ranks are in the step the first stage's rank started, in its mode: take part
-            # in it as a failed rank does, so that they stop waiting for this one and stay in step with it.
-            own = shapes[channel.replica]
-            _abandon(runner, channel, sequence, devices, bool(own[1]), len(own) - 2, checkpoint_stop)
             raise ValueError(message)
-    counts = [int(n) for n in shapes[channel.replica][2:]]
-    if rank != first:
-        batches = [None] * len(counts)
-    total = sum(int(n) for values in shapes.values() for n in values[2:])
-    return batches, inputs, counts, total
