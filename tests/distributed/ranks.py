@@ -337,16 +337,56 @@ def begin_fails(rank: int, world: int, failing: int, where: str) -> Dict[str, An
 
 def waits_in_vain(rank: int, world: int) -> Dict[str, Any]:
     """Rank 1 waits for the second step's start longer than the pipeline's timeout (1 s here): it raises, and so
-    does rank 0, whose step then finds the failure."""
-    pipe = Pipeline(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)), [1, 1], loss_fn=mse, group=dist.group.WORLD)
+    does rank 0, whose step then finds the failure; then a step with the usual timeout works everywhere."""
+    pipe, x, expected = _warm_pipeline(rank, world)
     channel = pipe._channel
     assert channel is not None
     channel.waits.set_timeout(datetime.timedelta(seconds=1))
-    x = torch.randn(4, 6)
-    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
     if rank == 0:
         time.sleep(3)
-    return _failing_step(pipe, x, rank, world)
+    report = _failing_step(pipe, x, rank, world)
+    channel.waits.set_timeout(datetime.timedelta(seconds=60))
+    report["next step"] = _gives_the_plain_loss(pipe, x, rank, world, expected)
+    return report
+
+
+class _Interrupting:
+    """The store connection a rank waits on, interrupted (KeyboardInterrupt) at its next wait: before the wait,
+    or just after it got what it waited for."""
+
+    def __init__(self, waits: Any, after: bool) -> None:
+        self.waits, self.after, self.armed = waits, after, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.waits, name)
+
+    def multi_get(self, keys: List[str]) -> Any:
+        if self.armed and not self.after:
+            self.armed = False
+            raise KeyboardInterrupt
+        values = self.waits.multi_get(keys)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return values
+
+
+def interrupted_start(rank: int, world: int, after: bool) -> Dict[str, Any]:
+    """Rank 1 is interrupted while it waits for the second step's start (Ctrl-C in a notebook: the process goes
+    on): before the start was published (rank 0 is a second late), or ``after`` it came. Both ranks raise
+    within seconds; then a step works everywhere."""
+    pipe, x, expected = _warm_pipeline(rank, world)
+    channel = pipe._channel
+    assert channel is not None
+    if rank == 1:
+        channel.waits = _Interrupting(channel.waits, after)
+    elif not after:
+        time.sleep(1)
+    report = _failing_step(pipe, x, rank, world)
+    if rank == 1:
+        channel.waits = channel.waits.waits
+    report["next step"] = _gives_the_plain_loss(pipe, x, rank, world, expected)
+    return report
 
 
 class SlowStore:

@@ -166,6 +166,31 @@ def failure_on_one_replica(rank: int, world: int, mode: str, first_stage_sleeps:
     return report
 
 
+def start_fails_on_one_replica(rank: int, world: int) -> Dict[str, Any]:
+    """Replica 1's first stage forgets its input in the second step, a second after replica 0's first stage
+    published its start: every rank raises within seconds (the ranks of replica 0 had all it takes to run
+    their part of the step but the other replica's start); the next step works everywhere."""
+    mesh = mesh_of(2, 2)
+    replica, position = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    model = tied_lm(layers=2)
+    pipe = Pipeline(model, balance_for(len(model), 2), chunks=2, loss_fn=lm_loss, mesh=mesh)
+    x, y = tokens(batch=4, seed=replica)
+    pipe.step(x if position == 0 else None, y if position == 1 else None)
+    forgets = replica == 1 and position == 0
+    if forgets:
+        time.sleep(1)
+    report: Dict[str, Any] = {"raised": None}
+    start = time.monotonic()
+    try:
+        pipe.step(x if position == 0 and not forgets else None, y if position == 1 else None)
+    except BaseException as exc:  # noqa: B036 - reported
+        report["raised"] = type(exc).__name__
+        report["message"] = str(exc)
+    report["seconds"] = time.monotonic() - start
+    report["next step"] = float(pipe.step(x if position == 0 else None, y if position == 1 else None))
+    return report
+
+
 def bad_arguments(rank: int, world: int) -> List[str]:
     """Bad meshes and data_parallel values are a ValueError on every rank."""
     from torch.distributed.device_mesh import init_device_mesh

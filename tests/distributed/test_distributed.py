@@ -154,11 +154,32 @@ def test_a_failure_between_the_start_and_the_first_action_ends_the_step_everywhe
 
 
 def test_a_wait_in_the_store_that_outlives_the_timeout_fails_the_step_everywhere() -> None:
+    # Story: rank 0, late, published the step's start over the failure's mark that rank 1 had left there when
+    # its wait timed out; it then ran the step alone: its sends were never received, it gave up on them after
+    # 10 s, and they stayed pending in the pair's process group. The first value written stands now, as the
+    # failure's do: rank 0 finds the failure at once and sends nothing.
     reports = ok(launch("tests.distributed.ranks:waits_in_vain", 2))
     assert reports[1]["raised"] == "PipelineError", reports[1]
     assert "rank 1 waited for the start of replica 0 of step 2 in vain" in reports[1]["message"], reports[1]
     assert reports[0]["raised"] == "PipelineError", reports[0]
     assert "rank 1 waited for the start" in reports[0]["message"], reports[0]
+    assert reports[0]["seconds"] < 2, reports[0]
+    assert reports[0]["next step"] and reports[1]["next step"], reports  # the plain module's loss
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_rank_interrupted_while_it_waits_for_the_start_ends_the_step_everywhere(after: bool) -> None:
+    # Story: a KeyboardInterrupt while a rank waited in the store for the step's start left without a record
+    # of the failure. Rank 0 then ran the step and waited for that rank's messages until the pipeline's
+    # timeout (30 minutes; here the test's hard timeout), as it did when the start had come just before the
+    # interrupt. Now the interrupted rank records it, and, where the start was published, takes part in the
+    # step as a failed rank does, so that the pair stays in step.
+    reports = ok(launch("tests.distributed.ranks:interrupted_start", 2, timeout=90, after=after))
+    assert reports[1]["raised"] == "KeyboardInterrupt", reports[1]
+    assert reports[0]["raised"] == "PipelineError", reports[0]
+    assert "rank 1 failed to begin its step: KeyboardInterrupt" in reports[0]["message"], reports[0]
+    assert max(report["seconds"] for report in reports) < 8, reports  # not the 10 s of unanswered aborts
+    assert reports[0]["next step"] and reports[1]["next step"], reports  # the plain module's loss
 
 
 def test_every_rank_returns_the_loss() -> None:

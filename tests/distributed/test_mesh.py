@@ -71,6 +71,22 @@ def test_a_failure_before_a_sharded_stage_ever_ran_forward_ends_the_step_on_ever
         assert report["next step"], (rank, report)
 
 
+def test_a_start_that_fails_on_one_replica_ends_the_step_on_every_rank() -> None:
+    # Each rank waits for every replica's start (the loss weighs every replica's samples). Replica 0's start was
+    # published when replica 1's failed: replica 0's ranks leave the step as failed ranks do (with abort
+    # messages in place of theirs), so their pairs are in step for the next one.
+    reports = ok(launch("tests.distributed.ranks_mesh:start_fails_on_one_replica", 4, timeout=120))
+    failing = reports[2]  # replica 1's first stage
+    assert failing["raised"] == "ValueError", failing
+    assert "rank 0 of replica 1 runs the first stage: it must pass the mini-batch's input" in failing["message"]
+    for rank, report in enumerate(reports):
+        if rank != 2:
+            assert report["raised"] == "PipelineError", (rank, report)
+            assert "rank 0 of replica 1 could not split its input" in report["message"], (rank, report)
+        assert report["seconds"] < 8, (rank, report)
+    assert len({report["next step"] for report in reports}) == 1, reports  # the same loss everywhere
+
+
 def test_bad_meshes_are_a_value_error_on_every_rank() -> None:
     for errors in ok(launch("tests.distributed.ranks_mesh:bad_arguments", 4)):
         assert "data_parallel must be 'replicate' or 'shard'" in errors[0]

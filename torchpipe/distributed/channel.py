@@ -17,7 +17,10 @@ pipeline's timeout fails as well):
 - ``start/<n>/<replica>``: the first stage's rank of each replica publishes
   step ``n``'s shape (the micro-batch sizes, and whether it trains) and every
   other rank waits for it (for every replica's, when replicas weigh their
-  losses by the total number of samples);
+  losses by the total number of samples); like a failure's mark, it is
+  written only where nothing was: a start that comes after a failure was
+  recorded (a rank's wait for it timed out) is refused, and its rank learns
+  the failure instead of running the step alone;
 - ``failed/<n>``: the first rank whose step fails writes who failed, in which
   action, and why, then marks every key of the step a rank may be blocked on
   (start, done, fate); a rank waiting for a message polls it, so every rank
@@ -219,8 +222,37 @@ class Channel:
     # --- the control plane ------------------------------------------------------------------------------
 
     def publish(self, sequence: int, key: str, values: Sequence[float]) -> None:
-        """Publishes ``values`` under ``key`` for step ``sequence``, for this replica's ranks (and the others')."""
-        self._set(sequence, f"{key}/{sequence}/{self.replica}", _format(values))
+        """Publishes ``values`` under ``key`` for step ``sequence``, for this replica's ranks (and the others'),
+        unless the step failed first.
+
+        A rank whose wait for the key outlived the pipeline's timeout marked it failed and left the step: a value
+        written over the mark would start the step for this rank alone, whose messages nobody would then take
+        (their sends left pending, the pairs out of step).
+
+        Raises:
+            PipelineError: a failure of the step was recorded before.
+        """
+        name = f"{key}/{sequence}/{self.replica}"
+        value = _format(values)
+        self._mine.setdefault(sequence, []).append(name)
+        try:
+            written = bytes(self.store.compare_set(name, "", value))  # the first value stands, as for a failure
+        except RuntimeError as exc:  # the store's host died
+            raise PipelineError(f"rank {self.who} could not publish the {key} of step {sequence}: {exc}") from None
+        if written != value.encode():
+            raise PipelineError(self.failure(sequence) or "another rank's step failed")
+
+    def published(self, sequence: int, key: str) -> Optional[List[float]]:
+        """What this replica's rank published under ``key`` for step ``sequence``, without waiting: None where
+        nothing was, or a failure marked the key first."""
+        name = f"{key}/{sequence}/{self.replica}"
+        try:
+            if not self.store.check([name]):
+                return None
+            value = bytes(self.store.get(name))
+        except RuntimeError:  # the store's host died: nobody goes on with the step
+            return None
+        return None if value == _FAILED else _parse(value)
 
     def _read(self, sequence: int, names: List[str], what: str) -> List[bytes]:
         """The values under ``names`` of step ``sequence``, read once all are in the store (blocking there: see

@@ -69,8 +69,8 @@ def run_step(
     last = runner.stage_workers[-1]
     try:
         split, inputs, shapes = _start(runner, channel, sequence, devices, chunks, input, training)
-    except BaseException:
-        channel.leave_failed(sequence)  # the step failed before it began: see [Note: leaving the store]
+    except BaseException as exc:
+        _failed_start(runner, channel, sequence, devices, checkpoint_stop, exc)
         raise
     # The start is known everywhere: the other ranks are in the step, in the mode its first stage's rank runs,
     # waiting for this one's messages. A failure now must be recorded, or they wait for them until the pipeline's
@@ -147,6 +147,28 @@ def run_step(
     return result, outputs
 
 
+def _failed_start(
+    runner: Runner,
+    channel: Channel,
+    sequence: int,
+    devices: Sequence[torch.device],
+    checkpoint_stop: Callable[[int], int],
+    error: BaseException,
+) -> None:
+    """This rank failed before it knew the step's start (its wait for it outlived the timeout, was interrupted,
+    or another replica's start failed): records the failure, unless another rank's caused it, so that no rank
+    waits for this one. If its replica's first stage published the start all the same, the peers are in the
+    step, or will be, waiting for this rank's messages: it takes part as a rank that failed does (see
+    :func:`_abandon`). Then it leaves the store (see [Note: leaving the store])."""
+    if not isinstance(error, PipelineError):
+        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {type(error).__name__}: {error}")
+    # After the failure's marks the start is there for good: the replica's start, or the mark, written first.
+    start = channel.published(sequence, "start")
+    if start is not None:
+        _abandon(runner, channel, sequence, devices, bool(start[1]), int(start[0]), checkpoint_stop)
+    channel.leave_failed(sequence)
+
+
 def _abandon(
     runner: Runner,
     channel: Channel,
@@ -188,7 +210,7 @@ def _start(
     if rank == first:
         try:
             if input is None:
-                raise ValueError(f"rank {rank} runs the first stage: it must pass the mini-batch's input")
+                raise ValueError(f"rank {channel.who} runs the first stage: it must pass the mini-batch's input")
             microbatch.check_input(input)
             input = transfer.move(input, devices[0])
             inputs = (input,) if isinstance(input, Tensor) else tuple(input)
