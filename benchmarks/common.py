@@ -275,6 +275,44 @@ def compare(
     return results
 
 
+def round_robin(
+    variants: Sequence[Variant],
+    *,
+    rounds: int = 5,
+    warmup: int = 1,
+    device: Optional[torch.device] = None,
+    desc: str = "",
+    quiet: bool = False,
+) -> Dict[str, List[float]]:
+    """Each variant's step times (seconds), every variant run once per round, in an order that rotates by one
+    each round (no variant always follows the same one).
+
+    Ratios of two variants taken round by round (:func:`median_ratio`) compare steps run seconds apart, for
+    any pair, where :func:`compare` compares each variant with the plain step only (variants measured minutes
+    apart on a machine whose speed drifts).
+    """
+    device = device if device is not None else torch.device("cpu")
+    times: Dict[str, List[float]] = {variant.name: [] for variant in variants}
+    assert len(times) == len(variants), "the variants need distinct names"
+    bar = progress(total=rounds + warmup, desc=desc, disable=quiet)
+    try:
+        for round in range(warmup + rounds):
+            shift = round % len(variants)
+            for variant in list(variants[shift:]) + list(variants[:shift]):
+                seconds = _timed(variant, device)
+                if round >= warmup:
+                    times[variant.name].append(seconds)
+            bar.update(1)
+    finally:
+        bar.close()
+    return times
+
+
+def median_ratio(times: Mapping[str, Sequence[float]], name: str, over: str) -> float:
+    """The median over rounds of ``name``'s step time / ``over``'s in the same round (of :func:`round_robin`)."""
+    return statistics.median(a / b for a, b in zip(times[name], times[over]))
+
+
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -119,6 +119,18 @@ def test_common_compare_and_table() -> None:
     table = common.format_table(["a", "b"], [["x", 1.5], ["y", None]])
     assert "1.500" in table and "n/a" in table
     assert "torch" in common.machine_description()
+
+
+def test_round_robin_runs_every_step_once_a_round_in_a_rotating_order() -> None:
+    calls: List[str] = []
+    steps = [common.Variant(name, lambda name=name: calls.append(name)) for name in "abc"]
+    times = common.round_robin(steps, rounds=3, warmup=1, quiet=True)
+    assert calls == list("abc" "bca" "cab" "abc")  # a warm-up round, then three; each starts one later
+    assert {name: len(values) for name, values in times.items()} == {"a": 3, "b": 3, "c": 3}
+    fixed = {"a": [1.0, 2.0, 4.0], "b": [2.0, 2.0, 2.0]}
+    assert common.median_ratio(fixed, "a", "b") == 1.0  # per round: 0.5, 1, 2
+    with pytest.raises(AssertionError, match="distinct names"):
+        common.round_robin([steps[0], steps[0]], rounds=1, quiet=True)
 
 
 def test_speed_helpers() -> None:
