@@ -194,8 +194,10 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
     for name, schedule, stages in CONFIGS:
         pipe, x, y = pipes.pop(name)
         simulated, idle = timeline_figures(pipe, x, y)
+        split = sorted({a.stage for a in pipe.schedule.actions() if a.kind is Kind.BACKWARD_INPUT})
         del pipe
         rows.append({
+            "split_stages": split,
             "model": model, "schedule": name, "time_ratio": common.median_ratio(times, name, "plain"),
             "plain_ms": plain_ms, "vs_by_hand": common.median_ratio(times, name, "by hand"),
             "vs_1f1b": common.median_ratio(times, name, "1f1b"), "ideal": common.pipeline_ideal(2, chunks),
@@ -232,6 +234,9 @@ def main() -> None:
               f"ideal {common.pipeline_ideal(2, args.chunks):.4f}); zero_bubble <= 1 of 1f1b "
               f"({mlp_rows['zero_bubble']['vs_1f1b']:.3f}); "
               f"1f1b peak memory <= {MEMORY_GOAL} of gpipe's ({memory_vs_gpipe:.3f})")
+        split = mlp_rows["zero_bubble"]["split_stages"]
+        print(f"zero_bubble's placement: {'splits the backward of stages ' + str(split) if split else 'no stage split'}"
+              f"{'' if split else ' (the order of 1f1b)'}")
     medians = [f"{m} {statistics.median(r['plain_ms'] for r in rows if r['model'] == m):.0f} ms" for m in args.models]
     print(f"(ratios: median over rounds that run every step once, of the two steps' times in the same round; "
           f"/ by hand: over the same micro-batches run by hand through the plain module; ideal: (m + p - 1) / (m p) "

@@ -191,6 +191,12 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
         simulated, idle = schedules.timeline_figures(pipe, x, y)
         assert 0.0 <= simulated < 1.0 and 0.0 <= idle < 1.0
     schedules.by_hand_step("mlp", 4)()
+    # The whole run's rows (its memory figures come from child processes, left out here).
+    monkeypatch.setattr(schedules, "step_memory", lambda *args: 1)
+    rows = {row["schedule"]: row for row in schedules.run("mlp", rounds=2, chunks=4)}
+    assert set(rows) == {"plain, 4 micro-batches by hand"} | {name for name, _, _ in schedules.CONFIGS}
+    assert rows["1f1b"]["vs_1f1b"] == 1.0 and rows["zero_bubble"]["vs_1f1b"] > 0
+    assert all(row["split_stages"] == [] for name, row in rows.items() if name in ("gpipe", "1f1b"))
     # The memory figure (in-process here): zero_bubble's after its placement's steps, on every schedule a size.
     threads = torch.get_num_threads()
     try:
