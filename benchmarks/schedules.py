@@ -13,7 +13,12 @@ over 2 workers, ``chunks`` 8, it prints
   figure, as in ``memory.py``),
 - the bubble fraction the schedule simulator predicts with the per-action
   costs measured in this run, and the idle fraction measured from the
-  timeline of one step (``1 - busy / (workers x step time)``).
+  timeline of one step (``1 - busy / (workers x step time)``);
+- what the machine allows in the same rounds: the by-hand micro-batches in
+  two halves on two bare threads at once, over the by-hand step (0.5 on two
+  free cores), and what a 2-stage pipeline would take at that pace (that
+  times 2 times the bubble's 9/16; its stages each touch half the weights,
+  so it may do better).
 
 Goals (MLP): every schedule's step time <= 0.62 of the same micro-batches by
 hand (issue 18; the ideal is 9/16); ``zero_bubble`` no slower than ``1f1b``
@@ -25,6 +30,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -94,6 +100,30 @@ def by_hand_step(name: str, chunks: int) -> common.Step:
     """The plain module run micro-batch by micro-batch on one thread: what micro-batching alone costs here."""
     module, x, y = workload(name)
     return common.microbatched_train_step(module, x, chunks, target=y, loss_fn=nn.functional.mse_loss)
+
+
+def two_threads_step(name: str, chunks: int) -> common.Step:
+    """The by-hand step's micro-batches split in two halves, run on two bare threads at once (each on its own
+    copy of the module): over the by-hand step, what this machine's two cores give two threads now (0.5 on two
+    free cores). A two-stage pipeline at that pace takes that times 2 times the bubble's (m + p - 1) / (m p);
+    its stages each touch half the weights (and so half the memory traffic), so it may do better."""
+    module, x, y = workload(name)
+    halves = [common.microbatched_train_step(workload(name)[0] if k else module, x_half, chunks // 2, target=y_half,
+                                             loss_fn=nn.functional.mse_loss)
+              for k, (x_half, y_half) in enumerate(zip(x.chunk(2), y.chunk(2)))]
+    threads = torch.get_num_threads()
+
+    def other() -> None:
+        torch.set_num_threads(threads)  # intra-op threads are per thread: the caller's
+        halves[1]()
+
+    def step() -> None:
+        thread = threading.Thread(target=other)
+        thread.start()
+        halves[0]()
+        thread.join()
+
+    return step
 
 
 def pipe_step(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> common.Step:
@@ -182,14 +212,17 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
             for _ in range(TUNING_STEPS):
                 pipe_step(pipe, x, y)()
     # Every step once a round (plain, by hand, each schedule): each ratio is over steps run seconds apart.
-    variants = [common.Variant("plain", plain_step(model)), common.Variant("by hand", by_hand_step(model, chunks))]
+    variants = [common.Variant("plain", plain_step(model)), common.Variant("by hand", by_hand_step(model, chunks)),
+                common.Variant("two threads", two_threads_step(model, chunks))]
     variants += [common.Variant(name, pipe_step(*pipes[name])) for name, _, _ in CONFIGS]
     times = common.round_robin(variants, rounds=rounds, warmup=1, desc=f"{model} round robin")
     plain_ms = statistics.median(times["plain"]) * 1e3
+    two_threads = common.median_ratio(times, "two threads", "by hand")
     rows: List[Dict[str, Any]] = [{
         "model": model, "schedule": f"plain, {chunks} micro-batches by hand",
         "time_ratio": common.median_ratio(times, "by hand", "plain"), "plain_ms": plain_ms, "memory_ratio": None,
-        "simulated_bubble": None, "measured_idle": None,
+        "simulated_bubble": None, "measured_idle": None, "two_threads": two_threads,
+        "machine_line": two_threads * 2 * common.pipeline_ideal(2, chunks),
     }]
     for name, schedule, stages in CONFIGS:
         pipe, x, y = pipes.pop(name)
@@ -226,6 +259,12 @@ def main() -> None:
     print(common.format_table(headers, [[f"{r['model']} {r['schedule']}", r["time_ratio"], r.get("vs_by_hand"),
                                          r.get("vs_1f1b"), r.get("ideal"), r["memory_ratio"], r["simulated_bubble"],
                                          r["measured_idle"]] for r in rows]))
+    for r in rows:
+        if "machine_line" in r:
+            print(f"{r['model']}: the by-hand micro-batches in two halves on two bare threads at once take "
+                  f"{r['two_threads']:.3f} of the by-hand time (two free cores: 0.500); at that pace a 2-stage "
+                  f"pipeline would take {r['two_threads']:.3f} x 2 x {common.pipeline_ideal(2, args.chunks):.4f} = "
+                  f"{r['machine_line']:.3f} of it (its stages each touch half the weights: it may do better)")
     mlp_rows = {r["schedule"]: r for r in rows if r["model"] == "mlp" and r["memory_ratio"] is not None}
     if mlp_rows:
         worst = max(r["vs_by_hand"] for r in mlp_rows.values())

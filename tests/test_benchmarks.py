@@ -196,6 +196,8 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
     rows = {row["schedule"]: row for row in schedules.run("mlp", rounds=2, chunks=4)}
     assert set(rows) == {"plain, 4 micro-batches by hand"} | {name for name, _, _ in schedules.CONFIGS}
     assert rows["1f1b"]["vs_1f1b"] == 1.0 and rows["zero_bubble"]["vs_1f1b"] > 0
+    by_hand = rows["plain, 4 micro-batches by hand"]
+    assert by_hand["two_threads"] > 0 and by_hand["machine_line"] == by_hand["two_threads"] * 2 * (4 + 1) / 8
     assert all(row["split_stages"] == [] for name, row in rows.items() if name in ("gpipe", "1f1b"))
     # The memory figure (in-process here): zero_bubble's after its placement's steps, on every schedule a size.
     threads = torch.get_num_threads()
