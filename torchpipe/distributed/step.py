@@ -178,10 +178,11 @@ def _abandon(
     microbatches: int,
     checkpoint_stop: Callable[[int], int],
 ) -> None:
-    """After this rank failed between the step's start and its first action, before it made the step's
-    transport: makes one and does what a failed step's transport does (see [Note: abort messages]), so that the
-    peers, which are in the step, stop waiting for this rank's messages and their pairs with it stay in step for
-    the next one. (Its recomputations send nothing: the messages' order does not depend on ``checkpoint_stop``.)"""
+    """After this rank failed before it made the step's transport, while its replica's start was published (after
+    the start was known, before the first action; or before it knew the start: :func:`_failed_start`): makes one
+    and does what a failed step's transport does (see [Note: abort messages]), so that the peers, which are in
+    the step, stop waiting for this rank's messages and their pairs with it stay in step for the next one. (Its
+    recomputations send nothing: the messages' order does not depend on ``checkpoint_stop``.)"""
     try:
         plan = runner.plan(microbatches, checkpoint_stop(microbatches))
         schedule = plan.schedule if training else plan.forward
