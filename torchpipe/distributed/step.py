@@ -29,6 +29,13 @@ from torchpipe.types import TensorOrTensors
 __all__ = ["run_step"]
 
 
+def _described(error: BaseException) -> str:
+    """An error as a failure's record names it: its type, then its message if it has one (a KeyboardInterrupt
+    has none)."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
 def _describe(training: bool) -> str:
     return "a training step (forward and backward)" if training else "a step without backward (no_grad or eval)"
 
@@ -94,7 +101,7 @@ def run_step(
         step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
     except BaseException as exc:
         # (A disagreement on the mode recorded its own message first: the first record stands.)
-        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {type(exc).__name__}: {exc}")
+        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {_described(exc)}")
         if not making_transport:  # beside a half-made transport, a second would post the step's receives twice
             _abandon(runner, channel, sequence, devices, mode, len(counts), checkpoint_stop)
         channel.leave_failed(sequence)
@@ -127,7 +134,7 @@ def run_step(
     except BaseException as exc:
         if not isinstance(exc, (PipelineError, Aborted)):  # this rank's own failure: the others learn it first
             where = f"action {progress.current}" if progress.current is not None else "its step"
-            channel.fail(sequence, f"rank {channel.who} failed in {where}: {type(exc).__name__}: {exc}")
+            channel.fail(sequence, f"rank {channel.who} failed in {where}: {_described(exc)}")
         transport.fail()
         if committed:
             abort(step)  # the collectives this rank still owes, before it leaves the step
@@ -161,7 +168,7 @@ def _failed_start(
     step, or will be, waiting for this rank's messages: it takes part as a rank that failed does (see
     :func:`_abandon`). Then it leaves the store (see [Note: leaving the store])."""
     if not isinstance(error, PipelineError):
-        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {type(error).__name__}: {error}")
+        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {_described(error)}")
     # After the failure's marks the start is there for good: the replica's start, or the mark, written first.
     start = channel.published(sequence, "start")
     if start is not None:
@@ -217,7 +224,7 @@ def _start(
             inputs = (input,) if isinstance(input, Tensor) else tuple(input)
             split = list(microbatch.scatter(input, chunks))
         except BaseException as exc:
-            channel.fail(sequence, f"rank {channel.who} could not split its input: {type(exc).__name__}: {exc}")
+            channel.fail(sequence, f"rank {channel.who} could not split its input: {_described(exc)}")
             raise
         sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
         mine = [float(len(split)), float(training)] + sizes
