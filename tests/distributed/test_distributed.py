@@ -156,8 +156,9 @@ def test_a_failure_between_the_start_and_the_first_action_ends_the_step_everywhe
 def test_a_wait_in_the_store_that_outlives_the_timeout_fails_the_step_everywhere() -> None:
     # Story: rank 0, late, published the step's start over the failure's mark that rank 1 had left there when
     # its wait timed out; it then ran the step alone: its sends were never received, it gave up on them after
-    # 10 s, and they stayed pending in the pair's process group. The first value written stands now, as the
-    # failure's do: rank 0 finds the failure at once and sends nothing.
+    # 10 s, and that timed wait made gloo close the pair: the next step failed ("Application timeout caused
+    # pair closure"). The first value written stands now, as the failure's do: rank 0 finds the failure at
+    # once and sends nothing.
     reports = ok(launch("tests.distributed.ranks:waits_in_vain", 2))
     assert reports[1]["raised"] == "PipelineError", reports[1]
     assert "rank 1 waited for the start of replica 0 of step 2 in vain" in reports[1]["message"], reports[1]
