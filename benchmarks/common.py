@@ -168,31 +168,37 @@ def pipeline_ideal(partitions: int, chunks: int) -> float:
     return (chunks + partitions - 1) / (chunks * partitions)
 
 
-def two_thread_ratio(first: Step, second: Step, *, rounds: int = 5) -> float:
-    """What this machine's cores allow right now: the time of ``first`` and ``second`` (two independent
-    halves of one piece of work) on two threads at once, over their time one after the other (median of
-    interleaved pairs). 0.5 is two free cores; shared or hyper-threaded vCPUs, memory bandwidth and the GIL
-    show here as more. A pipeline of two stages cannot beat it: its ideal on this machine is this ratio
-    times 2 times the bubble's (m + p - 1) / (m p)."""
-
-    def sequential() -> None:
-        first()
-        second()
-
+def at_once(first: Step, second: Step) -> Step:
+    """A step that runs ``first`` on the calling thread and ``second`` on another thread, at the same time (each
+    with the caller's intra-op thread count)."""
     threads = torch.get_num_threads()
 
     def on_the_other_thread() -> None:
         torch.set_num_threads(threads)  # OpenMP's thread count is per thread: the same as the caller's
         second()
 
-    def parallel() -> None:
+    def step() -> None:
         other = threading.Thread(target=on_the_other_thread)
         other.start()
         first()
         other.join()
 
-    [result] = compare(Variant("one thread", sequential), [Variant("two threads", parallel)], rounds=rounds,
-                       warmup=1, quiet=True)
+    return step
+
+
+def two_thread_ratio(first: Step, second: Step, *, rounds: int = 5) -> float:
+    """What this machine's cores allow right now: the time of ``first`` and ``second`` (two independent
+    halves of one piece of work) on two threads at once, over their time one after the other (median of
+    interleaved pairs). 0.5 is two free cores; shared or hyper-threaded vCPUs, memory bandwidth and the GIL
+    show here as more. A pipeline of two stages at that pace takes this ratio times 2 times the bubble's
+    (m + p - 1) / (m p) (its stages each touch half the weights, so it may do better)."""
+
+    def sequential() -> None:
+        first()
+        second()
+
+    [result] = compare(Variant("one thread", sequential), [Variant("two threads", at_once(first, second))],
+                       rounds=rounds, warmup=1, quiet=True)
     return result.ratio
 
 
@@ -257,16 +263,7 @@ def compare(
     bar = progress(total=len(variants) * (rounds + warmup), desc=desc, disable=quiet)
     try:
         for variant in variants:
-            for _ in range(warmup):
-                _timed(plain, device)
-                _timed(variant, device)
-                bar.update(1)
-            plain_times: List[float] = []
-            times: List[float] = []
-            for _ in range(rounds):
-                plain_times.append(_timed(plain, device))
-                times.append(_timed(variant, device))
-                bar.update(1)
+            plain_times, times = _timed_rounds([plain, variant], rounds, warmup, device, bar, rotate=False)
             ratios = [t / p for t, p in zip(times, plain_times)]
             results.append(Comparison(variant.name, statistics.median(ratios), statistics.median(times),
                                       statistics.median(plain_times), ratios))
@@ -291,20 +288,28 @@ def round_robin(
     any pair, where :func:`compare` compares each variant with the plain step only (variants measured minutes
     apart on a machine whose speed drifts).
     """
-    device = device if device is not None else torch.device("cpu")
-    times: Dict[str, List[float]] = {variant.name: [] for variant in variants}
-    assert len(times) == len(variants), "the variants need distinct names"
+    assert len({variant.name for variant in variants}) == len(variants), "the variants need distinct names"
     bar = progress(total=rounds + warmup, desc=desc, disable=quiet)
     try:
-        for round in range(warmup + rounds):
-            shift = round % len(variants)
-            for variant in list(variants[shift:]) + list(variants[:shift]):
-                seconds = _timed(variant, device)
-                if round >= warmup:
-                    times[variant.name].append(seconds)
-            bar.update(1)
+        timed = _timed_rounds(variants, rounds, warmup, device or torch.device("cpu"), bar, rotate=True)
     finally:
         bar.close()
+    return {variant.name: times for variant, times in zip(variants, timed)}
+
+
+def _timed_rounds(
+    variants: Sequence[Variant], rounds: int, warmup: int, device: torch.device, bar: Any, rotate: bool
+) -> List[List[float]]:
+    """Each variant's step times over ``rounds`` rounds after ``warmup`` untimed ones; a round runs every
+    variant once, in their order, or (``rotate``) starting one later each round."""
+    times: List[List[float]] = [[] for _ in variants]
+    for round in range(warmup + rounds):
+        shift = round % len(variants) if rotate else 0
+        for k in list(range(shift, len(variants))) + list(range(shift)):
+            seconds = _timed(variants[k], device)
+            if round >= warmup:
+                times[k].append(seconds)
+        bar.update(1)
     return times
 
 

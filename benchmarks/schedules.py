@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -104,26 +103,14 @@ def by_hand_step(name: str, chunks: int) -> common.Step:
 
 def two_threads_step(name: str, chunks: int) -> common.Step:
     """The by-hand step's micro-batches split in two halves, run on two bare threads at once (each on its own
-    copy of the module): over the by-hand step, what this machine's two cores give two threads now (0.5 on two
-    free cores). A two-stage pipeline at that pace takes that times 2 times the bubble's (m + p - 1) / (m p);
-    its stages each touch half the weights (and so half the memory traffic), so it may do better."""
+    copy of the module): over the by-hand step, what this machine's two cores give two threads now (see
+    :func:`common.two_thread_ratio`)."""
     module, x, y = workload(name)
-    halves = [common.microbatched_train_step(workload(name)[0] if k else module, x_half, chunks // 2, target=y_half,
-                                             loss_fn=nn.functional.mse_loss)
-              for k, (x_half, y_half) in enumerate(zip(x.chunk(2), y.chunk(2)))]
-    threads = torch.get_num_threads()
-
-    def other() -> None:
-        torch.set_num_threads(threads)  # intra-op threads are per thread: the caller's
-        halves[1]()
-
-    def step() -> None:
-        thread = threading.Thread(target=other)
-        thread.start()
-        halves[0]()
-        thread.join()
-
-    return step
+    first, second = [
+        common.microbatched_train_step(copy, x_half, chunks // 2, target=y_half, loss_fn=nn.functional.mse_loss)
+        for copy, x_half, y_half in zip((module, workload(name)[0]), x.chunk(2), y.chunk(2))
+    ]
+    return common.at_once(first, second)
 
 
 def pipe_step(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> common.Step:
@@ -230,9 +217,9 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
         split = sorted({a.stage for a in pipe.schedule.actions() if a.kind is Kind.BACKWARD_INPUT})
         del pipe
         rows.append({
-            "split_stages": split,
-            "model": model, "schedule": name, "time_ratio": common.median_ratio(times, name, "plain"),
-            "plain_ms": plain_ms, "vs_by_hand": common.median_ratio(times, name, "by hand"),
+            "model": model, "schedule": name, "split_stages": split,
+            "time_ratio": common.median_ratio(times, name, "plain"), "plain_ms": plain_ms,
+            "vs_by_hand": common.median_ratio(times, name, "by hand"),
             "vs_1f1b": common.median_ratio(times, name, "1f1b"), "ideal": common.pipeline_ideal(2, chunks),
             "memory_ratio": step_memory(model, schedule, stages, chunks) / max(plain_memory, 1),
             "simulated_bubble": simulated, "measured_idle": idle,

@@ -4,7 +4,7 @@ import datetime
 import os
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -158,18 +158,23 @@ class Fails(nn.Module):
         return x
 
 
-def _failing_step(pipe: Pipeline, x: Tensor, rank: int, world: int, *, no_input: bool = False) -> Dict[str, Any]:
-    """One step with ``x`` as input (none with ``no_input``) and target: what it raised (type and message) and
-    how long it took."""
+def reported(call: Callable[[], Any]) -> Dict[str, Any]:
+    """What ``call`` raised (type and message; None if nothing) and how long it took."""
     report: Dict[str, Any] = {"raised": None}
     start = time.monotonic()
     try:
-        pipe.step(x if rank == 0 and not no_input else None, x if rank == world - 1 else None)
+        call()
     except BaseException as exc:  # noqa: B036 - reported to the test
         report["raised"] = type(exc).__name__
         report["message"] = str(exc)
     report["seconds"] = time.monotonic() - start
     return report
+
+
+def _failing_step(pipe: Pipeline, x: Tensor, rank: int, world: int, *, no_input: bool = False) -> Dict[str, Any]:
+    """One step with ``x`` as input (none with ``no_input``) and target: what it raised (type and message) and
+    how long it took."""
+    return reported(lambda: pipe.step(x if rank == 0 and not no_input else None, x if rank == world - 1 else None))
 
 
 def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
@@ -361,14 +366,12 @@ class _Interrupting:
         return getattr(self.waits, name)
 
     def multi_get(self, keys: List[str]) -> Any:
-        if self.armed and not self.after:
-            self.armed = False
-            raise KeyboardInterrupt
-        values = self.waits.multi_get(keys)
-        if self.armed:
-            self.armed = False
-            raise KeyboardInterrupt
-        return values
+        if not self.armed:
+            return self.waits.multi_get(keys)
+        self.armed = False
+        if self.after:
+            self.waits.multi_get(keys)
+        raise KeyboardInterrupt
 
 
 def interrupted_start(rank: int, world: int, after: bool) -> Dict[str, Any]:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tests.distributed.ranks import reported
 from tests.test_ties import lm_loss, tied_lm, tokens
 from torchpipe import Pipeline
 
@@ -150,15 +151,7 @@ def failure_on_one_replica(rank: int, world: int, mode: str, first_stage_sleeps:
     model = nn.Sequential(Sleeps(), *layers[:3], Fails(), *layers[3:])
     pipe = Pipeline(model, [4, 4], chunks=2, loss_fn=lm_loss, mesh=mesh, data_parallel=mode)
     x, y = tokens(batch=4, seed=replica)
-    report: Dict[str, Any] = {}
-    start = time.monotonic()
-    try:
-        pipe.step(x if position == 0 else None, y if position == 1 else None)
-        report["raised"] = None
-    except BaseException as exc:  # noqa: B036 - reported
-        report["raised"] = type(exc).__name__
-        report["message"] = str(exc)
-    report["seconds"] = time.monotonic() - start
+    report = reported(lambda: pipe.step(x if position == 0 else None, y if position == 1 else None))
     model[4].failing = False
     pipe.zero_grad()
     loss = pipe.step(x if position == 0 else None, y if position == 1 else None)
@@ -179,14 +172,7 @@ def start_fails_on_one_replica(rank: int, world: int) -> Dict[str, Any]:
     forgets = replica == 1 and position == 0
     if forgets:
         time.sleep(1)
-    report: Dict[str, Any] = {"raised": None}
-    start = time.monotonic()
-    try:
-        pipe.step(x if position == 0 and not forgets else None, y if position == 1 else None)
-    except BaseException as exc:  # noqa: B036 - reported
-        report["raised"] = type(exc).__name__
-        report["message"] = str(exc)
-    report["seconds"] = time.monotonic() - start
+    report = reported(lambda: pipe.step(x if position == 0 and not forgets else None, y if position == 1 else None))
     report["next step"] = float(pipe.step(x if position == 0 else None, y if position == 1 else None))
     return report
 

@@ -29,7 +29,7 @@ from torchpipe.types import TensorOrTensors
 __all__ = ["run_step"]
 
 
-def _described(error: BaseException) -> str:
+def _error_text(error: BaseException) -> str:
     """An error as a failure's record names it: its type, then its message if it has one (a KeyboardInterrupt
     has none)."""
     message = str(error)
@@ -74,19 +74,14 @@ def run_step(
     sequence = channel.next_sequence()
     rank = channel.rank
     last = runner.stage_workers[-1]
-    try:
-        split, inputs, shapes = _start(runner, channel, sequence, devices, chunks, input, training)
-    except BaseException as exc:
-        _failed_start(runner, channel, sequence, devices, checkpoint_stop, exc)
-        raise
-    # The start is known everywhere: the other ranks are in the step, in the mode its first stage's rank runs,
-    # waiting for this one's messages. A failure now must be recorded, or they wait for them until the pipeline's
-    # timeout, and this rank must still take part in the step as a failed rank does (see _abandon).
-    mode, counts = bool(shapes[channel.replica][1]), [int(n) for n in shapes[channel.replica][2:]]
     step_loss: Optional[Loss] = None
     making_transport = False
     try:
+        split, inputs, shapes = _start(runner, channel, sequence, devices, chunks, input, training)
+        # The start is known everywhere: the other ranks are in the step, in the mode its first stage's rank
+        # runs, waiting for this one's messages (see _failed_before_actions).
         _check_modes(channel, sequence, runner.stage_workers[0], shapes, training)
+        counts = [int(n) for n in shapes[channel.replica][2:]]
         batches: List[Optional[Batch]] = list(split) if split is not None else [None] * len(counts)
         if loss is not None:
             total = sum(int(n) for values in shapes.values() for n in values[2:])
@@ -100,11 +95,7 @@ def run_step(
         making_transport = True
         step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
     except BaseException as exc:
-        # (A disagreement on the mode recorded its own message first: the first record stands.)
-        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {_described(exc)}")
-        if not making_transport:  # beside a half-made transport, a second would post the step's receives twice
-            _abandon(runner, channel, sequence, devices, mode, len(counts), checkpoint_stop)
-        channel.leave_failed(sequence)
+        _failed_before_actions(runner, channel, sequence, devices, checkpoint_stop, exc, making_transport)
         raise
     progress = Progress()
     committed = False
@@ -134,7 +125,7 @@ def run_step(
     except BaseException as exc:
         if not isinstance(exc, (PipelineError, Aborted)):  # this rank's own failure: the others learn it first
             where = f"action {progress.current}" if progress.current is not None else "its step"
-            channel.fail(sequence, f"rank {channel.who} failed in {where}: {_described(exc)}")
+            channel.fail(sequence, f"rank {channel.who} failed in {where}: {_error_text(exc)}")
         transport.fail()
         if committed:
             abort(step)  # the collectives this rank still owes, before it leaves the step
@@ -154,23 +145,26 @@ def run_step(
     return result, outputs
 
 
-def _failed_start(
+def _failed_before_actions(
     runner: Runner,
     channel: Channel,
     sequence: int,
     devices: Sequence[torch.device],
     checkpoint_stop: Callable[[int], int],
     error: BaseException,
+    making_transport: bool,
 ) -> None:
-    """This rank failed before it knew the step's start (its wait for it outlived the timeout, was interrupted,
-    or another replica's start failed): records the failure, unless another rank's caused it, so that no rank
-    waits for this one. If its replica's first stage published the start all the same, the peers are in the
-    step, or will be, waiting for this rank's messages: it takes part as a rank that failed does (see
-    :func:`_abandon`). Then it leaves the store (see [Note: leaving the store])."""
-    if not isinstance(error, PipelineError):
-        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {_described(error)}")
+    """This rank failed before its first action: waiting for the step's start (the wait outlived the timeout or
+    was interrupted, or another replica's start failed), or once it knew it (a mode other than the first
+    stage's, the step's state or transport could not be made). Records the failure, unless another rank's
+    caused it, so that no rank waits for this one. Where its replica's first stage published the start, the
+    peers are in the step, or will be, waiting for this rank's messages: it takes part as a rank that failed
+    does (:func:`_abandon`), unless its transport was being made (a second one beside it would post the step's
+    receives twice). Then it leaves the store (see [Note: leaving the store])."""
+    if not isinstance(error, PipelineError):  # the first record stands (a disagreement on the mode's, say)
+        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {_error_text(error)}")
     # After the failure's marks the start is there for good: the replica's start, or the mark, written first.
-    start = channel.published(sequence, "start")
+    start = None if making_transport else channel.published(sequence, "start")
     if start is not None:
         _abandon(runner, channel, sequence, devices, bool(start[1]), int(start[0]), checkpoint_stop)
     channel.leave_failed(sequence)
@@ -185,11 +179,11 @@ def _abandon(
     microbatches: int,
     checkpoint_stop: Callable[[int], int],
 ) -> None:
-    """After this rank failed before it made the step's transport, while its replica's start was published (after
-    the start was known, before the first action; or before it knew the start: :func:`_failed_start`): makes one
-    and does what a failed step's transport does (see [Note: abort messages]), so that the peers, which are in
-    the step, stop waiting for this rank's messages and their pairs with it stay in step for the next one. (Its
-    recomputations send nothing: the messages' order does not depend on ``checkpoint_stop``.)"""
+    """After this rank failed before it made the step's transport, while its replica's start was published (see
+    :func:`_failed_before_actions`): makes one and does what a failed step's transport does (see [Note: abort
+    messages]), so that the peers, which are in the step, stop waiting for this rank's messages and their pairs
+    with it stay in step for the next one. (Its recomputations send nothing: the messages' order does not
+    depend on ``checkpoint_stop``.)"""
     try:
         plan = runner.plan(microbatches, checkpoint_stop(microbatches))
         schedule = plan.schedule if training else plan.forward
@@ -224,7 +218,7 @@ def _start(
             inputs = (input,) if isinstance(input, Tensor) else tuple(input)
             split = list(microbatch.scatter(input, chunks))
         except BaseException as exc:
-            channel.fail(sequence, f"rank {channel.who} could not split its input: {_described(exc)}")
+            channel.fail(sequence, f"rank {channel.who} could not split its input: {_error_text(exc)}")
             raise
         sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
         mine = [float(len(split)), float(training)] + sizes
