@@ -459,3 +459,57 @@ def layouts_change(rank: int, world: int) -> List[str]:
         expected.backward()
         problems += _differences(f"step {step}", loss, expected, plain, held)
     return problems
+
+
+class _Slow(nn.Module):
+    """A layer that takes ``seconds`` per call: its rank is busy with its actions, not waiting."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+class _Counting:
+    """A store connection that counts its calls by name."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.calls: Dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return method(*args)
+
+        return counted
+
+
+def busy_looks(rank: int, world: int) -> Dict[str, Any]:
+    """A step of about 0.7 s in which each rank is busy most of the time (16 micro-batches, a layer per stage
+    takes 40 ms a forward): how often each rank looked at the store for a failure, and whether the step gave the
+    plain module's loss."""
+    torch.manual_seed(0)
+    layers: List[nn.Module] = []
+    for _ in range(world):
+        layers += [nn.Linear(6, 6), _Slow(0.04)]
+    model = nn.Sequential(*layers)
+    x = torch.randn(16, 6)
+    with torch.no_grad():
+        expected = mse(model(x), x)
+    pipe = Pipeline(model, [2] * world, chunks=16, loss_fn=mse, group=dist.group.WORLD)
+    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    channel = pipe._channel
+    assert channel is not None
+    channel.store = counting = _Counting(channel.store)
+    start = time.monotonic()
+    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    seconds = time.monotonic() - start
+    channel.store = counting.store
+    return {"looks": counting.calls.get("check", 0), "seconds": seconds,
+            "plain loss": bool(torch.allclose(loss, expected, rtol=1e-5, atol=1e-6))}

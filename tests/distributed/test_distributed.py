@@ -213,6 +213,20 @@ def test_a_step_ends_well_when_the_store_host_exits_first() -> None:
     assert losses[0] == losses[1] == losses[2]
 
 
+def test_a_busy_rank_looks_at_the_store_for_failures_rarely() -> None:
+    # Story: between actions every rank looked at the store for another rank's failure every 20 ms, also while
+    # it was busy computing: a trip each to the store's host, which serves every rank of the job (64 ranks:
+    # 3200 trips a second), for nothing a busy rank needs soon (its peers' aborts and the step's end tell it).
+    # A rank now looks every 20 ms only while it waits for a message; while busy, every half second. Here each
+    # rank waits about 40 ms for its first message (two looks), and before the fix rank 0 looked 16 times or more
+    # (once per forward: the looks come between actions).
+    reports = ok(launch("tests.distributed.ranks:busy_looks", 2))
+    for rank, report in enumerate(reports):
+        assert report["plain loss"], report
+        assert report["seconds"] > 0.6, report  # 16 forwards of 40 ms on each rank
+        assert report["looks"] <= 5, (rank, report)
+
+
 def test_messages_whose_layout_changes_between_steps_are_received_whole() -> None:
     # Each end of a pair remembers every message's last layout, and the receiver posts receives of that
     # layout before the header comes. When it changed (batch size, an uneven micro-batch, a mask's dtype,

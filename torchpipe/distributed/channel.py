@@ -24,8 +24,9 @@ pipeline's timeout fails as well):
 - ``failed/<n>``: the first rank whose step fails writes who failed, in which
   action, and why, then marks every key of the step a rank may be blocked on
   (start, done, fate); a rank waiting for a message polls it, so every rank
-  ends the step within a poll interval (a rank that dies is noticed by its
-  neighbours, whose receives fail, and they write it);
+  ends the step within a poll interval (a rank busy with its actions looks
+  between them, more rarely: ``BUSY_POLL_SECONDS``; a rank that dies is
+  noticed by its neighbours, whose receives fail, and they write it);
 - ``ready/<n>`` and ``fate/<n>``: before a step with collectives between
   replicas (or between the holders of a tied parameter), the ranks agree that
   every one of them will run it (:meth:`Channel.commit`);
@@ -56,10 +57,14 @@ try:
 except ImportError:  # a build without NCCL (this CPU one): CUDA pipelines across processes need it
     ProcessGroupNCCL = None  # type: ignore[assignment, misc]
 
-__all__ = ["Channel", "PipelineError", "POLL_SECONDS"]
+__all__ = ["Channel", "PipelineError", "POLL_SECONDS", "BUSY_POLL_SECONDS"]
 
 #: How often a rank waiting for a message looks at the store for a failure.
 POLL_SECONDS = 0.02
+#: How often a rank that is busy with its actions (not waiting) looks: it learns a failure sooner only to stop
+#: computing sooner (its peers' abort messages and the step's end tell it anyway), and every look is a trip to
+#: the store's host, which serves every rank of the job.
+BUSY_POLL_SECONDS = 0.5
 #: What a failure writes into the keys of its step that ranks may be blocked on (see [Note: control plane]):
 #: never a value the ranks publish (those are hexadecimal floats, "commit" or "abort").
 _FAILED = b"failed"

@@ -90,7 +90,7 @@ from torch import Tensor
 
 from torchpipe import trace
 from torchpipe.distributed import wire
-from torchpipe.distributed.channel import POLL_SECONDS, Channel, PipelineError
+from torchpipe.distributed.channel import BUSY_POLL_SECONDS, POLL_SECONDS, Channel, PipelineError
 from torchpipe.runtime.transport import Edge, EdgeKind, Mailbox, Message
 from torchpipe.schedule import Action, Schedule
 
@@ -318,14 +318,14 @@ class DistributedTransport:
     def aborted(self) -> bool:
         if self._aborted or self.mailbox.aborted:
             return True
-        self._poll_failure()
+        self._poll_failure(BUSY_POLL_SECONDS)  # between actions: see BUSY_POLL_SECONDS
         return self._aborted
 
-    def _poll_failure(self) -> None:
-        """Looks in the store for another rank's failure, at most every ``POLL_SECONDS`` (a look costs a round
+    def _poll_failure(self, interval: float = POLL_SECONDS) -> None:
+        """Looks in the store for another rank's failure, at most every ``interval`` seconds (a look costs a round
         trip to the store, too much for every action or message)."""
         now = time.monotonic()
-        if now - self._last_poll >= POLL_SECONDS:
+        if now - self._last_poll >= interval:
             self._last_poll = now
             if self.channel.failure(self.sequence) is not None:
                 self._aborted = True
