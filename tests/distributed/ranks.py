@@ -513,3 +513,20 @@ def busy_looks(rank: int, world: int) -> Dict[str, Any]:
     channel.store = counting.store
     return {"looks": counting.calls.get("check", 0), "seconds": seconds,
             "plain loss": bool(torch.allclose(loss, expected, rtol=1e-5, atol=1e-6))}
+
+
+def keys_stay_few(rank: int, world: int) -> Dict[str, Any]:
+    """The number of keys in the store after a few steps, and after 30 more (one of which fails): each step
+    writes keys of its own, which must go as steps go."""
+    pipe, x, expected = _warm_pipeline(rank, world)
+    store = dist.distributed_c10d._get_default_store()
+    for _ in range(4):
+        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    before = int(store.num_keys())
+    for step in range(30):
+        if step == 10:
+            _failing_step(pipe, x, rank, world, no_input=True)
+        else:
+            pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    after = int(store.num_keys())
+    return {"before": before, "after": after, "next step": _gives_the_plain_loss(pipe, x, rank, world, expected)}

@@ -181,12 +181,18 @@ class Channel:
         self.sequence += 1
         # Forget the keys this rank set three steps ago: every rank is through with them (each has since
         # passed a step's end, or published its part of a later collective call, which it does after reading).
-        for key in self._mine.pop(self.sequence - 3, []):
-            try:
-                self.store.delete_key(key)
-            except RuntimeError:  # pragma: no cover - a store without delete: keys stay
-                break
+        self._forget(self.sequence - 3)
         return self.sequence
+
+    def _forget(self, sequence: int) -> None:
+        """Deletes the keys this rank set for step ``sequence`` (or before: any it did not delete yet)."""
+        # list(dict) is one step for the interpreter: a receiving thread may record a failure meanwhile.
+        for old in [n for n in list(self._mine) if n <= sequence]:
+            for key in self._mine.pop(old, []):
+                try:
+                    self.store.delete_key(key)
+                except RuntimeError:  # pragma: no cover - a store without delete: keys stay
+                    return
 
     def _set(self, sequence: int, key: str, value: str) -> None:
         """Sets ``key`` of step ``sequence``, to be deleted when the step is old."""
@@ -363,6 +369,10 @@ class Channel:
             self.store.set(f"left/{self.index}", str(sequence))
             return
         keys = [f"left/{r}" for r in range(self.count) if r != self.index]
+        # While the others read the step's last keys: forget what the next step's start would (see
+        # next_sequence), off the way between this step's end and the next one's start, where the other ranks
+        # wait for rank 0 (in a lone pipeline the first stage's, whose backward ends a training step last).
+        self._forget(sequence - 2)
         deadline = time.monotonic() + seconds
         pause = 0.0002
         while time.monotonic() < deadline:
