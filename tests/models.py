@@ -1,4 +1,5 @@
 """Small layers and model builders shared by the tests."""
+import time
 from typing import Any, List, Tuple
 
 import torch
@@ -176,3 +177,15 @@ class RaisesInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         raise ArithmeticError("backward failed")
+
+
+class Sleep(nn.Module):
+    """A deliberately slow layer: sleeping costs wall time, not CPU, so a busy machine cannot hide it."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.seconds)
+        return x * 1

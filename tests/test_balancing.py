@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from tests.models import Sleep
 from torchpipe.skip import pop, skippable, stash
 from torchpipe_balancing import balance_by_size, balance_by_time, balance_cost
 from torchpipe_balancing.blockpartition import solve
@@ -154,18 +155,6 @@ def test_balance_cost_messages() -> None:
 
 
 # --- models for the profilers -----------------------------------------------------------------
-
-
-class Sleep(nn.Module):
-    """A deliberately slow layer: sleeping costs wall time, not CPU, so a busy machine cannot hide it."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def forward(self, x: Tensor) -> Tensor:
-        time.sleep(self.seconds)
-        return x * 1
 
 
 class Split(nn.Module):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import torchpipe
-from tests.models import Pop, Stash, UseMask, WithMask
+from tests.models import Pop, Sleep, Stash, UseMask, WithMask
 from torchpipe import Pipeline, PipelineError
 from torchpipe.schedule import Kind
 
@@ -461,18 +461,6 @@ def layouts_change(rank: int, world: int) -> List[str]:
     return problems
 
 
-class _Slow(nn.Module):
-    """A layer that takes ``seconds`` per call: its rank is busy with its actions, not waiting."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def forward(self, x: Tensor) -> Tensor:
-        time.sleep(self.seconds)
-        return x
-
-
 class _Counting:
     """A store connection that counts its calls by name."""
 
@@ -497,7 +485,7 @@ def busy_looks(rank: int, world: int) -> Dict[str, Any]:
     torch.manual_seed(0)
     layers: List[nn.Module] = []
     for _ in range(world):
-        layers += [nn.Linear(6, 6), _Slow(0.04)]
+        layers += [nn.Linear(6, 6), Sleep(0.04)]  # busy with its actions, not waiting
     model = nn.Sequential(*layers)
     x = torch.randn(16, 6)
     with torch.no_grad():
