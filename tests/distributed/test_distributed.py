@@ -218,13 +218,13 @@ def test_a_busy_rank_looks_at_the_store_for_failures_rarely() -> None:
     # it was busy computing: a trip each to the store's host, which serves every rank of the job (64 ranks:
     # 3200 trips a second), for nothing a busy rank needs soon (its peers' aborts and the step's end tell it).
     # A rank now looks every 20 ms only while it waits for a message; while busy, every half second. Here each
-    # rank waits about 40 ms for its first message (two looks), and before the fix rank 0 looked 16 times or more
-    # (once per forward: the looks come between actions).
+    # rank waits about 40 ms for its first message (two or three looks: more on a slow machine), and before the
+    # fix each looked 16 times or more (once per forward: the looks come between actions).
     reports = ok(launch("tests.distributed.ranks:busy_looks", 2))
     for rank, report in enumerate(reports):
         assert report["plain loss"], report
         assert report["seconds"] > 0.6, report  # 16 forwards of 40 ms on each rank
-        assert report["looks"] <= 5, (rank, report)
+        assert report["looks"] <= 10, (rank, report)
 
 
 def test_the_keys_of_old_steps_leave_the_store() -> None:
