@@ -106,7 +106,7 @@ def holds_only_its_stages(rank: int, world: int) -> Dict[str, Any]:
     names = sorted({name.split(".")[0] for name, _ in pipe.named_parameters()})
     meta = [name for name, p in pipe.named_parameters() if p.is_meta]
     x = torch.randn(4, 64)
-    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    loss = _step(pipe, x, rank, world)
     return {"layers": names, "meta": meta, "finite": bool(torch.isfinite(loss))}
 
 
@@ -118,7 +118,7 @@ def save_checkpoint(rank: int, world: int, path: str, stages: int) -> bool:
     pipe = Pipeline(model, [2] * stages, chunks=2, loss_fn=mse, schedule=schedule, group=dist.group.WORLD)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
     x = torch.randn(4, 6)
-    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    _step(pipe, x, rank, world)
     optimizer.step()
     state = pipe.full_state_dict()
     if rank == 0:
@@ -158,6 +158,11 @@ class Fails(nn.Module):
         return x
 
 
+def _step(pipe: Pipeline, x: Tensor, rank: int, world: int) -> Tensor:
+    """One step with ``x`` as the input (on rank 0) and the target (on the last rank); the step's loss."""
+    return pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+
+
 def reported(call: Callable[[], Any]) -> Dict[str, Any]:
     """What ``call`` raised (type and message; None if nothing) and how long it took."""
     report: Dict[str, Any] = {"raised": None}
@@ -186,15 +191,15 @@ def failure(rank: int, world: int, how: str, schedule: str) -> Dict[str, Any]:
     pipe = Pipeline(nn.Sequential(*layers), [2] * world, chunks=4, loss_fn=mse, schedule=schedule,
                     group=dist.group.WORLD)
     x = torch.randn(8, 6)
-    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    _step(pipe, x, rank, world)
     fails.armed = rank == 1
     report = _failing_step(pipe, x, rank, world)
     fails.armed = False
     pipe.zero_grad()
-    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    loss = _step(pipe, x, rank, world)
     report["next step"] = bool(torch.isfinite(loss))
     for _ in range(3):
-        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+        _step(pipe, x, rank, world)
     report["receiving threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("torchpipe-recv"))
     return report
 
@@ -236,7 +241,7 @@ def receive_bug(rank: int, world: int, where: str) -> Dict[str, Any]:
     pipe = Pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]), [2, 2], chunks=4, loss_fn=mse,
                     group=dist.group.WORLD)
     x = torch.randn(8, 6)
-    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    _step(pipe, x, rank, world)
     armed["on"] = rank == 1
     return _failing_step(pipe, x, rank, world)
 
@@ -248,7 +253,7 @@ def interleaved_with_four_stages_per_rank(rank: int, world: int) -> bool:
     plain = copy.deepcopy(model)
     pipe = Pipeline(model, [1] * 8, chunks=4, loss_fn=mse, schedule="interleaved_1f1b", group=dist.group.WORLD)
     x = torch.randn(8, 6)
-    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    loss = _step(pipe, x, rank, world)
     held = sorted(int(name.split(".")[0]) for name, _ in pipe.named_parameters() if name.endswith("weight"))
     return held == [s for s in range(8) if s % world == rank] and bool(torch.allclose(loss, mse(plain(x), x)))
 
@@ -262,7 +267,7 @@ def example_losses(rank: int, world: int) -> List[float]:
     x = torch.randn(32, 6)
     losses = []
     for _ in range(5):
-        losses.append(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None).item())
+        losses.append(_step(pipe, x, rank, world).item())
         optimizer.step()
         optimizer.zero_grad()
     return losses
@@ -277,13 +282,13 @@ def _warm_pipeline(rank: int, world: int, **options: Any) -> Tuple[Pipeline, Ten
     with torch.no_grad():
         expected = mse(model(x), x)
     pipe = Pipeline(model, [1] * world, chunks=2, loss_fn=mse, group=dist.group.WORLD, **options)
-    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    _step(pipe, x, rank, world)
     return pipe, x, expected
 
 
 def _gives_the_plain_loss(pipe: Pipeline, x: Tensor, rank: int, world: int, expected: Tensor) -> bool:
     """Whether one more step, on every rank, gives the plain module's loss."""
-    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    loss = _step(pipe, x, rank, world)
     return bool(torch.allclose(loss, expected, rtol=1e-5, atol=1e-6))
 
 
@@ -310,9 +315,9 @@ def start_fails(rank: int, world: int, shared: bool = False) -> Dict[str, Any]:
         assert pipe._channel is not None
         pipe._channel.waits = pipe._channel.store
     x = torch.randn(4, 6)
-    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    _step(pipe, x, rank, world)
     report = _failing_step(pipe, x, rank, world, no_input=True)  # rank 0's input is missing
-    report["next step"] = float(pipe.step(x if rank == 0 else None, x if rank == world - 1 else None))
+    report["next step"] = float(_step(pipe, x, rank, world))
     return report
 
 
@@ -392,21 +397,24 @@ def interrupted_start(rank: int, world: int, after: bool) -> Dict[str, Any]:
     return report
 
 
-class SlowStore:
-    """A store that answers late: a rank that uses it still needs the store after the others are done."""
+class StoreSpy:
+    """A store connection that counts its calls by name and answers each ``delay`` seconds late (a rank that
+    uses a slow one still needs the store after the others are done)."""
 
-    def __init__(self, store: Any, delay: float) -> None:
+    def __init__(self, store: Any, delay: float = 0.0) -> None:
         self.store, self.delay = store, delay
+        self.calls: Dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.store, name)
 
-        def late(*args: Any) -> Any:
+        def spied(*args: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
             answer = method(*args)
             time.sleep(self.delay)
             return answer
 
-        return late
+        return spied
 
 
 def host_leaves_first(rank: int, world: int) -> float:
@@ -417,9 +425,9 @@ def host_leaves_first(rank: int, world: int) -> float:
     channel = pipe._channel
     assert channel is not None
     if rank != 0:
-        channel.store, channel.waits = SlowStore(channel.store, 0.3), SlowStore(channel.waits, 0.3)
+        channel.store, channel.waits = StoreSpy(channel.store, 0.3), StoreSpy(channel.waits, 0.3)
     x = torch.randn(4, 6)
-    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    loss = _step(pipe, x, rank, world)
     return float(loss)
 
 
@@ -461,23 +469,6 @@ def layouts_change(rank: int, world: int) -> List[str]:
     return problems
 
 
-class _Counting:
-    """A store connection that counts its calls by name."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.calls: Dict[str, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.store, name)
-
-        def counted(*args: Any) -> Any:
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return method(*args)
-
-        return counted
-
-
 def busy_looks(rank: int, world: int) -> Dict[str, Any]:
     """A step of about 0.7 s in which each rank is busy most of the time (16 micro-batches, a layer per stage
     takes 40 ms a forward): how often each rank looked at the store for a failure, and whether the step gave the
@@ -491,12 +482,12 @@ def busy_looks(rank: int, world: int) -> Dict[str, Any]:
     with torch.no_grad():
         expected = mse(model(x), x)
     pipe = Pipeline(model, [2] * world, chunks=16, loss_fn=mse, group=dist.group.WORLD)
-    pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    _step(pipe, x, rank, world)
     channel = pipe._channel
     assert channel is not None
-    channel.store = counting = _Counting(channel.store)
+    channel.store = counting = StoreSpy(channel.store)
     start = time.monotonic()
-    loss = pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+    loss = _step(pipe, x, rank, world)
     seconds = time.monotonic() - start
     channel.store = counting.store
     return {"looks": counting.calls.get("check", 0), "seconds": seconds,
@@ -509,12 +500,12 @@ def keys_stay_few(rank: int, world: int) -> Dict[str, Any]:
     pipe, x, expected = _warm_pipeline(rank, world)
     store = dist.distributed_c10d._get_default_store()
     for _ in range(4):
-        pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+        _step(pipe, x, rank, world)
     before = int(store.num_keys())
     for step in range(30):
         if step == 10:
             _failing_step(pipe, x, rank, world, no_input=True)
         else:
-            pipe.step(x if rank == 0 else None, x if rank == world - 1 else None)
+            _step(pipe, x, rank, world)
     after = int(store.num_keys())
     return {"before": before, "after": after, "next step": _gives_the_plain_loss(pipe, x, rank, world, expected)}

@@ -230,8 +230,8 @@ def test_a_busy_rank_looks_at_the_store_for_failures_rarely() -> None:
 def test_the_keys_of_old_steps_leave_the_store() -> None:
     # Every step writes keys of its own in the store (its start, each rank's end; a failed step its record and
     # marks), a few hundred bytes each in the memory of the process that hosts the store, for a job's millions
-    # of steps: each rank deletes its keys three steps later (rank 0, the host, while it waits for the others to
-    # leave the step, where its trips cost the next step's start nothing). 30 steps write about 100 keys.
+    # of steps: each rank deletes its keys as it leaves the step two later (rank 0, the host, while it waits for
+    # the others to leave, where its trips cost the next step's start nothing). 30 steps write about 100 keys.
     for report in ok(launch("tests.distributed.ranks:keys_stay_few", 2)):
         assert report["next step"], report
         assert report["after"] <= report["before"] + 6, report

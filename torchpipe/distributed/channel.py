@@ -141,7 +141,7 @@ class Channel:
         # Rank 0's wait for the others to leave the store polls it, more rarely as it goes on, at most this far
         # apart. More ranks poll one store: each polls less often.
         self._longest_pause = min(0.005, 0.0005 * max(1, self.count // 2))
-        #: The keys this rank set for each recent step, deleted three steps later (see next_sequence).
+        #: The keys this rank set for each recent step, deleted as it leaves the step two later (see _leave).
         self._mine: Dict[int, List[str]] = {}
         #: Whether training steps start collectives between ranks (data-parallel or tied-copy reductions): then
         #: every rank commits to each step first (see :meth:`commit`). The same on every rank.
@@ -179,19 +179,16 @@ class Channel:
     def next_sequence(self) -> int:
         """The number of the next step (or other collective call) of this pipeline; the same on every rank."""
         self.sequence += 1
-        # Forget the keys this rank set three steps ago: every rank is through with them (each has since
-        # passed a step's end, or published its part of a later collective call, which it does after reading).
-        self._forget(self.sequence - 3)
         return self.sequence
 
     def _forget(self, sequence: int) -> None:
-        """Deletes the keys this rank set for step ``sequence`` (or before: any it did not delete yet)."""
+        """Deletes the keys this rank set for step ``sequence`` and before (see :meth:`_leave`)."""
         # list(dict) is one step for the interpreter: a receiving thread may record a failure meanwhile.
         for old in [n for n in list(self._mine) if n <= sequence]:
             for key in self._mine.pop(old, []):
                 try:
                     self.store.delete_key(key)
-                except RuntimeError:  # pragma: no cover - a store without delete: keys stay
+                except RuntimeError:  # the host went (a job's end), or a store without delete: keys stay
                     return
 
     def _set(self, sequence: int, key: str, value: str) -> None:
@@ -365,14 +362,20 @@ class Channel:
         # one key of its own, overwritten: nothing to delete), and rank 0 waits for that before it returns.
         # A rank that dies in between is not waited for long: a step that succeeded stays so, and the next
         # one will find the dead rank.
+        #
+        # Leaving is also when a rank forgets the keys it set two steps ago (where it forgot the keys of three
+        # steps ago at the next step's start before): every rank is through with them (each has since passed
+        # a later step's end, or published its part of a later collective call, which it does after
+        # reading). The store's host does so while the others read this step's last keys, the others once
+        # rank 0 may go: off the way between this step's end and the next one's start, where in a lone
+        # pipeline the other ranks wait for rank 0 (the first stage's, whose backward ends a training step
+        # last). A deletion that fails (the host went) leaves nothing to delete.
         if dist.get_rank() != 0:
             self.store.set(f"left/{self.index}", str(sequence))
+            self._forget(sequence - 2)
             return
-        keys = [f"left/{r}" for r in range(self.count) if r != self.index]
-        # While the others read the step's last keys: forget what the next step's start would (see
-        # next_sequence), off the way between this step's end and the next one's start, where the other ranks
-        # wait for rank 0 (in a lone pipeline the first stage's, whose backward ends a training step last).
         self._forget(sequence - 2)
+        keys = [f"left/{r}" for r in range(self.count) if r != self.index]
         deadline = time.monotonic() + seconds
         pause = 0.0002
         while time.monotonic() < deadline:
