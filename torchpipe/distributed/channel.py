@@ -151,6 +151,9 @@ class Channel:
         #: The layout of each message the last time it crossed, by (source rank, target rank, edge) (see
         #: [Note: expected layouts] in torchpipe/distributed/transport.py).
         self.layouts: Dict[Tuple[int, int, Any], Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]] = {}
+        #: The packed buffer of each small message this rank sends, by (target rank, edge), refilled step after
+        #: step (see [Note: packed messages] in torchpipe/distributed/transport.py).
+        self.outboxes: Dict[Tuple[int, Any], Any] = {}
         #: The transport's routes of each schedule this rank ran, by the schedule's id (with the schedule).
         self.routes: Dict[int, Tuple[Any, Any]] = {}
 

@@ -54,9 +54,13 @@ from the same message, so they stay in step.
 does (on CPU), a message is one buffer: its header, then its tensors' bytes,
 each at an aligned offset (:func:`wire.pack`); the receiver posts one
 receive of the remembered layout's size and takes the tensors as views of
-it. One send and one receive per message instead of one per tensor more:
-each gloo operation costs the two processes' threads a round of wake-ups,
-which on a machine with few cores is most of a small message's cost. When
+it (made as the receive is posted, on the thread that posts it). One send
+and one receive per message instead of one per tensor more: each gloo
+operation costs the two processes' threads a round of wake-ups, which on a
+machine with few cores is most of a small message's cost. The sender keeps
+each small message's buffer and refills it at the next step (a copy per
+tensor in place of an allocation and a concatenation), once its send is over
+and while its header is the same (header and layout: the same). When
 the layout changed, the packed buffer carries only the header (and unused
 bytes of the old size) and the tensors follow one by one, as in [Note:
 expected layouts]. Over NCCL the header goes over gloo and the tensors over
@@ -150,9 +154,16 @@ def _routes(channel: Channel, schedule: Schedule, sends: Mapping[Action, Tuple[E
     return routes
 
 
-#: A message's receives as posted: the header's buffer and work, the layout guessed, and the tensors' buffers
-#: and works.
-_Posted = Tuple[Tensor, Any, wire.Layout, List[Tuple[Tensor, Any]]]
+class _Posted(NamedTuple):
+    """A message's receives as posted: the header's buffer (a packed message's whole buffer) and its work, the
+    layout guessed, the tensors' buffers and works (unpacked), or the guessed tensors as views of the buffer
+    (packed: made as the receive is posted, off the way of the stage that takes the message)."""
+
+    header: Tensor
+    work: Any
+    expected: wire.Layout
+    tensors: List[Tuple[Tensor, Any]]
+    views: List[Tensor]
 
 
 def _layout(tensors: Sequence[Tensor]) -> wire.Layout:
@@ -164,6 +175,25 @@ def _wait_all(posted: List[Tuple[Tensor, Any]]) -> List[Tensor]:
     for _, work in posted:
         work.wait()
     return [tensor for tensor, _ in posted]
+
+
+#: The largest packed message whose buffer is kept for the same message of the next step (see [Note: packed
+#: messages]): the small ones, whose cost is the allocation and the calls more than the copy. The buffers kept are
+#: at most one step's messages of this size.
+_KEPT_BYTES = 1 << 17
+
+
+class _Outbox:
+    """A packed message's buffer, with its header and views of its tensors' places, and the send that last
+    read it."""
+
+    __slots__ = ("buffer", "header", "views", "work")
+
+    def __init__(self, buffer: Tensor, header: Tensor, views: List[Tensor]) -> None:
+        self.buffer = buffer
+        self.header = header
+        self.views = views
+        self.work: Any = None
 
 
 class _ReceivingThread:
@@ -338,7 +368,9 @@ class DistributedTransport:
         k = self._index[peer][edge]
         assert k == self._sent[peer], f"{edge} is sent out of the schedule's order ({k} != {self._sent[peer]})"
         self._sent[peer] += 1
-        tensors = [None if t is None else t.detach().contiguous() for t in message.tensors]
+        # The stages send detached tensors; a tensor that requires grad is detached here (a .contiguous() of it
+        # would be recorded by autograd).
+        tensors = [None if t is None else (t.detach() if t.requires_grad else t).contiguous() for t in message.tensors]
         if edge.kind is EdgeKind.SKIP and not message.tensors:
             header = wire.encode(wire.Kind.NOT_STASHED)
         else:
@@ -349,7 +381,8 @@ class DistributedTransport:
         with trace.span("copy", edge.source, edge.microbatch) if present else trace.NOTHING:
             try:
                 works, kept = self._post_send(
-                    peer, k, header, self.channel.layouts.get(key, ()), layout, present, self.devices[edge.source]
+                    peer, k, header, self.channel.layouts.get(key, ()), layout, present, self.devices[edge.source],
+                    edge,
                 )
             except RuntimeError as exc:
                 self._peer_died(peer, f"sent its {edge}", exc)
@@ -358,13 +391,20 @@ class DistributedTransport:
 
     def _post_send(
         self, peer: int, k: int, header: Tensor, expected: wire.Layout, layout: wire.Layout, tensors: List[Tensor],
-        device: torch.device,
+        device: torch.device, edge: Optional[Edge] = None,
     ) -> Tuple[List[Any], List[Tensor]]:
         """Sends message ``k``'s header and tensors to ``peer`` (see [Note: expected layouts]); the works, and
         the tensors to keep alive until they end."""
         if self._packed:  # one buffer: the header, then the tensors (see [Note: packed messages])
-            sent = [wire.pack(header, tensors if layout == expected else None, expected)]
+            if layout == expected and edge is not None:
+                box = self._pack(peer, edge, header, tensors, layout)
+                sent = [box.buffer]
+            else:
+                box = None
+                sent = [wire.pack(header, None, expected)]
             works = [self.channel.control.send(sent, peer, self._tag(k, 0))]
+            if box is not None:
+                box.work = works[0]
             if layout != expected:
                 sent += tensors
                 works += [self.channel.data.send([tensor], peer, self._tag(k, 1)) for tensor in tensors]
@@ -377,6 +417,24 @@ class DistributedTransport:
         for tensor in sent[1:]:
             works.append(self.channel.data.send([tensor], peer, self._tag(k, 1)))
         return works, sent
+
+    def _pack(self, peer: int, edge: Edge, header: Tensor, tensors: List[Tensor], layout: wire.Layout) -> "_Outbox":
+        """The packed buffer of ``edge``'s message (see [Note: packed messages]): the last step's, refilled, where
+        it had the same header and its send is over; else a new one, kept for the next step if it is small."""
+        boxes: Dict[Tuple[int, Edge], _Outbox] = self.channel.outboxes
+        box = boxes.get((peer, edge))
+        # The header is wire.encode's, one object per header: the same object, the same layout.
+        if box is not None and box.header is header and box.work is not None and box.work.is_completed():
+            for view, tensor in zip(box.views, tensors):
+                view.copy_(tensor)
+            return box
+        buffer = wire.pack(header, tensors, layout)
+        box = _Outbox(buffer, header, wire.unpack(buffer, layout))
+        if buffer.numel() <= _KEPT_BYTES:
+            boxes[(peer, edge)] = box
+        else:
+            boxes.pop((peer, edge), None)
+        return box
 
     def _peer_died(self, peer: int, doing: str, error: BaseException) -> None:
         """Records that ``peer``'s connection failed and raises :class:`PipelineError`."""
@@ -396,7 +454,9 @@ class DistributedTransport:
                 self._check_store()
             # The peer is in the step: what it owes comes, or an abort in its place, or its connection fails.
             while not incoming.stopped and incoming.received <= k:
-                self._take_next(peer, incoming)
+                message = self._take_next(peer, incoming, keep=incoming.received == k)
+                if message is not None:  # this action's own: no trip through the mailbox
+                    return message
         return self.mailbox.take(edge, poll=self._check_store, interval=POLL_SECONDS)
 
     def _check_store(self) -> None:
@@ -485,45 +545,51 @@ class DistributedTransport:
         while not incoming.stopped and incoming.received < len(incoming.edges):
             self._take_next(peer, incoming)
 
-    def _take_next(self, peer: int, incoming: _Incoming) -> None:
-        """Waits for ``peer``'s next message and leaves it in the mailbox; posts the receives of the message
-        :data:`AHEAD` after it. After an abort or an error, leaves the failure there instead."""
+    def _take_next(self, peer: int, incoming: _Incoming, keep: bool = False) -> Optional[Message]:
+        """Waits for ``peer``'s next message and leaves it in the mailbox (with ``keep``, returns it instead);
+        posts the receives of the message :data:`AHEAD` after it. After an abort or an error, leaves the failure
+        in the mailbox instead (and returns None)."""
         k = incoming.received
         edge = incoming.edges[k]
         try:
-            header, header_work, expected, guessed = incoming.posted.popleft()
-            header_work.wait()
+            posted = incoming.posted.popleft()
+            header, expected, guessed = posted.header, posted.expected, posted.tensors
+            posted.work.wait()
             decoded = wire.decode(header)  # a packed message starts with its header
             if decoded.kind is wire.Kind.ABORT:
                 _wait_all(guessed)
-                for _, later_header, _, later_guessed in incoming.posted:  # aborts too, on their way
-                    later_header.wait()
-                    _wait_all(later_guessed)
+                for later in incoming.posted:  # aborts too, on their way
+                    later.work.wait()
+                    _wait_all(later.tensors)
                 incoming.posted.clear()
                 incoming.stopped = True
                 self._put_failure(_PeerFailed(f"rank {peer} stopped its step", died=False))
-                return
+                return None
             key = (peer, self.rank, edge)
             layout = decoded.layout
             if layout == expected:
-                received = wire.unpack(header, layout) if self._packed else _wait_all(guessed)
+                received = posted.views if self._packed else _wait_all(guessed)
             else:  # what came were fillers (see [Note: expected layouts])
                 _wait_all(guessed)
                 received = _wait_all(self._post_receives(peer, k, layout, self.devices[edge.target]))
             self.channel.layouts[key] = layout
             if decoded.kind is wire.Kind.NOT_STASHED:
-                self.mailbox.put(edge, Message([], (), True))
+                message = Message([], (), True)
             else:
                 values = iter(received)
                 tensors = [None if meta is None else next(values) for meta in decoded.tensors]
-                self.mailbox.put(edge, Message(tensors, decoded.requires_grad, decoded.atomic))
+                message = Message(tensors, decoded.requires_grad, decoded.atomic)
+            if not keep:
+                self.mailbox.put(edge, message)
             incoming.received = k + 1
             # Only now the next message's receives: over NCCL nothing may be posted between this message's
             # fillers and its real tensors.
             if k + self._ahead < len(incoming.edges):
                 incoming.posted.append(self._post_message(peer, k + self._ahead, incoming.edges[k + self._ahead]))
+            return message if keep else None
         except Exception as exc:
             self._stop(peer, incoming, exc)
+            return None
         except BaseException:  # KeyboardInterrupt on the stage's thread: where this peer's messages are is lost
             incoming.stopped = True
             raise
@@ -551,10 +617,12 @@ class DistributedTransport:
         expected = self.channel.layouts.get((peer, self.rank, edge), ())
         if self._packed:
             buffer = torch.empty(wire.packed_bytes(expected), dtype=torch.uint8)
-            return buffer, self.channel.control.recv([buffer], peer, self._tag(k, 0)), expected, []
+            work = self.channel.control.recv([buffer], peer, self._tag(k, 0))
+            return _Posted(buffer, work, expected, [], wire.unpack(buffer, expected))
         header = torch.empty(wire.HEADER_LENGTH, dtype=torch.int64)
         header_work = self.channel.control.recv([header], peer, self._tag(k, 0))
-        return header, header_work, expected, self._post_receives(peer, k, expected, self.devices[edge.target])
+        tensors = self._post_receives(peer, k, expected, self.devices[edge.target])
+        return _Posted(header, header_work, expected, tensors, [])
 
     def _post_receives(
         self, peer: int, k: int, layout: wire.Layout, device: torch.device
