@@ -88,13 +88,26 @@ _NEVER = _classes(
 _DROPOUT = _classes("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout")
 
 
+#: Each class's forward's owner, by (class, its forward): a class whose forward is replaced is looked at anew.
+_OWNERS: Dict[Tuple[type, Any], type] = {}
+
+
+def _forward_owner(cls: type) -> type:
+    """The class whose forward runs for ``cls``: a subclass that keeps its base's forward is judged as the base
+    (looked up once per class: every step asks for every module of every stage)."""
+    key = (cls, getattr(cls, "forward", None))
+    owner = _OWNERS.get(key)
+    if owner is None:
+        owner = _OWNERS[key] = next((c for c in cls.__mro__ if "forward" in c.__dict__), nn.Module)
+    return owner
+
+
 def _own_draws(module: nn.Module) -> bool:
     """Whether ``module``'s own ``forward`` (not its submodules') may draw random numbers."""
     declared = getattr(module, DRAWS_RANDOM, None)
     if isinstance(declared, bool):
         return declared
-    # The class whose forward runs: a subclass that keeps its base's forward is judged as the base.
-    owner = next((c for c in type(module).__mro__ if "forward" in c.__dict__), nn.Module)
+    owner = _forward_owner(type(module))
     if owner in _NEVER:
         return False
     if owner in _DROPOUT:

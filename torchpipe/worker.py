@@ -39,7 +39,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Generator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Dict, Generator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -83,6 +83,13 @@ def _stop_all_at_exit() -> None:
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
 
+def _autocast_enabled(kind: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(kind)
+    except TypeError:  # torch < 2.4 has one function per device type
+        return torch.is_autocast_enabled() if kind == "cuda" else torch.is_autocast_cpu_enabled()
+
+
 def _autocast_state(kind: str) -> Tuple[bool, torch.dtype]:
     try:
         return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
@@ -111,8 +118,18 @@ class ThreadContext:
 
     @staticmethod
     def capture() -> "ThreadContext":
-        autocast = tuple((kind, *_autocast_state(kind)) for kind in _AUTOCAST_TYPES)
-        return ThreadContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+        grad = torch.is_grad_enabled()
+        if not torch.is_inference_mode_enabled() and not any(map(_autocast_enabled, _AUTOCAST_TYPES)):
+            # The common case, captured once per step and worker task: one object per grad mode.
+            plain = _PLAIN.get(grad)
+            if plain is None:
+                plain = _PLAIN[grad] = ThreadContext._of(grad, False)
+            return plain
+        return ThreadContext._of(grad, torch.is_inference_mode_enabled())
+
+    @staticmethod
+    def _of(grad: bool, inference: bool) -> "ThreadContext":
+        return ThreadContext(grad, inference, tuple((kind, *_autocast_state(kind)) for kind in _AUTOCAST_TYPES))
 
     def entered(self, *, grad_enabled: Optional[bool] = None) -> ContextManager[None]:
         """Runs the block in this state (``grad_enabled`` overrides the captured grad mode).
@@ -136,6 +153,10 @@ class ThreadContext:
                 if enabled:
                     stack.enter_context(torch.autocast(kind, dtype=dtype))
             yield
+
+
+#: The captured state without inference mode or autocast, by grad mode (see ThreadContext.capture).
+_PLAIN: Dict[bool, ThreadContext] = {}
 
 
 def default_intra_op_threads(devices: Sequence[torch.device]) -> List[int]:

@@ -114,8 +114,9 @@ def run_step(
         transport.finish()
         end(step)
         if rank == last and step_loss is not None:
-            value = float(sum(float(v) for v in step.losses if v is not None))
-            dtype = next((v.dtype for v in step.losses if v is not None), torch.float32)
+            weighted = step.weighted_losses()
+            value = float(sum(float(v) for v in weighted))
+            dtype = next((v.dtype for v in weighted), torch.float32)
             mine = [value, float(wire.DTYPES.index(dtype))]
         # The loss of every replica, but the last stage's rank of a lone pipeline knows the only one.
         read = step_loss is not None and not (rank == last and channel.replicas == 1)

@@ -46,7 +46,7 @@ def run_step(
         step.backward_input((input,) if isinstance(input, Tensor) else tuple(input))
     else:
         runner.run_forward(step)
-    losses = [value for value in step.losses if value is not None]
+    losses = step.weighted_losses()
     return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
 
 

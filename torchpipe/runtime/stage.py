@@ -130,8 +130,7 @@ def forward(step: Step, action: Action) -> None:
         return
     if loss is not None:
         assert step.loss is not None, "a loss is computed only in a step with one"
-        weighted = loss.detach() * step.loss.weights[i]
-        step.losses[i] = weighted.reshape(()) if weighted.dim() else weighted
+        step.losses[i] = loss.detach()  # weighted as the step ends (Step.weighted_losses), off the way
     else:
         step.results[i] = Batch.of([t.detach() for t in out.values], out.atomic)
         step.output_flags[i] = None if checkpointed else out_flags

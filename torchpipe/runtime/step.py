@@ -138,7 +138,7 @@ class Step:
         self.results: List[Optional[Batch]] = [None] * self.microbatches
         #: Per micro-batch: whether each output tensor requires grad (as recorded by the last stage).
         self.output_flags: List[Optional[Tuple[bool, ...]]] = [None] * self.microbatches
-        #: The loss of each micro-batch, weighted, without graph (a Pipeline step).
+        #: The loss of each micro-batch, without graph (a Pipeline step): see :meth:`weighted_losses`.
         self.losses: List[Optional[Tensor]] = [None] * self.microbatches
         #: GPipe's backward: the gradients of stage 0's inputs, per micro-batch.
         self.input_grads: List[Optional[List[Optional[Tensor]]]] = [None] * self.microbatches
@@ -158,6 +158,19 @@ class Step:
         if self.seed is None or not self.draws[stage]:
             return None
         return task_seed(self.seed, stage, microbatch)
+
+    def weighted_losses(self) -> List[Tensor]:
+        """The loss of each micro-batch this step computed, times its weight (see [Note: loss weights]): 0-dim
+        tensors without graph, whose sum is the step's loss. Weighted once the step's actions are over: a
+        micro-batch's multiplication and reshape sat between its forward and its backward, on the last stage
+        where every micro-batch waits for them."""
+        assert self.loss is not None, "a step without a loss has no losses"
+        weighted = []
+        for value, weight in zip(self.losses, self.loss.weights):
+            if value is not None:
+                product = value * weight
+                weighted.append(product.reshape(()) if product.dim() else product)
+        return weighted
 
     def take_results(self) -> List[Batch]:
         """The last stage's outputs, in micro-batch order (each handed out once)."""
