@@ -153,6 +153,10 @@ def split(obj: T, parts: int, dim: int = 0) -> List[T]:
         return [obj for _ in range(parts)]
     if sizes == {0}:
         return [obj]
+    if type(obj) is tuple and all(isinstance(t, Tensor) and t.dim() > 0 for t in obj):  # type: ignore[attr-defined]
+        # A tuple of tensors (a Batch's values, every step): no structure to rebuild.
+        columns = [t.chunk(parts, dim) for t in tensors]
+        return [cast(T, tuple(column[index] for column in columns)) for index in range(len(columns[0]))]
     # Each tensor cut once, not once per piece (by identity: the structure holds them while it is rebuilt).
     cut = {id(t): t.chunk(parts, dim) for t in tensors}
     count = len(cut[id(tensors[0])])

@@ -141,7 +141,7 @@ def run_step(
         assert len(losses) == channel.replicas, f"{len(losses)} losses told for {channel.replicas} replicas"
         value = sum(values[0] for values in losses)
         dtype = wire.DTYPES[int(losses[0][1])]
-        result = torch.tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
+        result = torch.scalar_tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs
 
