@@ -43,6 +43,7 @@ are not replayed.
 """
 import contextlib
 import math
+import weakref
 import zlib
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, List, Optional, Tuple, Type
 
@@ -88,17 +89,20 @@ _NEVER = _classes(
 _DROPOUT = _classes("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout")
 
 
-#: Each class's forward's owner, by (class, its forward): a class whose forward is replaced is looked at anew.
-_OWNERS: Dict[Tuple[type, Any], type] = {}
+#: Per class (held weakly: classes made on the fly come and go), its forward when last looked at and the class
+#: that defines it: a class whose forward is replaced is looked at anew.
+_OWNERS: "weakref.WeakKeyDictionary[type, Tuple[Any, type]]" = weakref.WeakKeyDictionary()
 
 
 def _forward_owner(cls: type) -> type:
     """The class whose forward runs for ``cls``: a subclass that keeps its base's forward is judged as the base
     (looked up once per class: every step asks for every module of every stage)."""
-    key = (cls, getattr(cls, "forward", None))
-    owner = _OWNERS.get(key)
-    if owner is None:
-        owner = _OWNERS[key] = next((c for c in cls.__mro__ if "forward" in c.__dict__), nn.Module)
+    forward = getattr(cls, "forward", None)
+    known = _OWNERS.get(cls)
+    if known is not None and known[0] is forward:
+        return known[1]
+    owner = next((c for c in cls.__mro__ if "forward" in c.__dict__), nn.Module)
+    _OWNERS[cls] = (forward, owner)
     return owner
 
 
