@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from torchpipe import transfer
@@ -47,13 +47,14 @@ def test_split_follows_torch_chunk_and_join_inverts_it(batch: int, parts: int) -
 
 
 @given(batch=st.integers(0, 20), parts=st.integers(1, 8), nested=st.booleans())
+@example(batch=0, parts=2, nested=False)  # torch.chunk cuts an empty batch into 2 empty pieces; split into one
 def test_a_tuple_of_tensors_splits_as_any_structure_does(batch: int, parts: int, nested: bool) -> None:
     # A tuple of tensors (a micro-batch's values, cut every step) takes a shorter way than other structures: the
     # pieces must be the same, also for a tuple that holds a tuple (the general way).
     x = torch.arange(batch * 2.0).view(batch, 2)
     obj = (x, (x * 2,)) if nested else (x, x * 2)
     pieces = transfer.split(obj, parts)
-    expected = [(c, (d,) if nested else d) for c, d in zip(x.chunk(parts), (x * 2).chunk(parts))] or [obj]
+    expected = [(c, (d,) if nested else d) for c, d in zip(x.chunk(parts), (x * 2).chunk(parts))] if batch else [obj]
     assert len(pieces) == len(expected) and all(type(p) is tuple for p in pieces)
     for piece, (first, second) in zip(pieces, expected):
         assert torch.equal(piece[0], first)
