@@ -90,13 +90,11 @@ def _autocast_enabled(kind: str) -> bool:
         return torch.is_autocast_enabled() if kind == "cuda" else torch.is_autocast_cpu_enabled()
 
 
-def _autocast_state(kind: str) -> Tuple[bool, torch.dtype]:
+def _autocast_dtype(kind: str) -> torch.dtype:
     try:
-        return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
-    except TypeError:  # torch < 2.4 has one function per device type
-        if kind == "cuda":
-            return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        return torch.get_autocast_dtype(kind)
+    except (AttributeError, TypeError):  # torch < 2.4 has one function per device type
+        return torch.get_autocast_gpu_dtype() if kind == "cuda" else torch.get_autocast_cpu_dtype()
 
 
 @dataclass(frozen=True)
@@ -118,18 +116,20 @@ class ThreadContext:
 
     @staticmethod
     def capture() -> "ThreadContext":
-        grad = torch.is_grad_enabled()
-        if not torch.is_inference_mode_enabled() and not any(map(_autocast_enabled, _AUTOCAST_TYPES)):
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        enabled = tuple(map(_autocast_enabled, _AUTOCAST_TYPES))
+        if not inference and not any(enabled):
             # The common case, captured once per step and worker task: one object per grad mode.
             plain = _PLAIN.get(grad)
             if plain is None:
-                plain = _PLAIN[grad] = ThreadContext._of(grad, False)
+                plain = _PLAIN[grad] = ThreadContext._of(grad, False, enabled)
             return plain
-        return ThreadContext._of(grad, torch.is_inference_mode_enabled())
+        return ThreadContext._of(grad, inference, enabled)
 
     @staticmethod
-    def _of(grad: bool, inference: bool) -> "ThreadContext":
-        return ThreadContext(grad, inference, tuple((kind, *_autocast_state(kind)) for kind in _AUTOCAST_TYPES))
+    def _of(grad: bool, inference: bool, enabled: Tuple[bool, ...]) -> "ThreadContext":
+        autocast = tuple((kind, on, _autocast_dtype(kind)) for kind, on in zip(_AUTOCAST_TYPES, enabled))
+        return ThreadContext(grad, inference, autocast)
 
     def entered(self, *, grad_enabled: Optional[bool] = None) -> ContextManager[None]:
         """Runs the block in this state (``grad_enabled`` overrides the captured grad mode).
