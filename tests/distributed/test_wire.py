@@ -47,6 +47,26 @@ def test_a_packed_message_carries_its_header_and_tensors_bit_for_bit(
     assert decoded.layout == layout and wire.decode(header).layout == layout
     # Exact, byte for byte: packing and unpacking copy bytes and do no arithmetic, on any CPU's kernels.
     for sent, got in zip(tensors, received):
+        assert got.dtype == sent.dtype and got.shape == sent.shape and got.stride() == sent.stride()
+        # On the buffer's memory, not a copy of it.
+        assert got.untyped_storage().data_ptr() == arrived.untyped_storage().data_ptr()
+        assert torch.equal(got.reshape(-1).view(torch.uint8), sent.reshape(-1).view(torch.uint8))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(_DTYPES, _SHAPES), min_size=1, max_size=4), st.integers(1, 4), st.integers(0, 2**16))
+def test_a_packed_message_inside_a_larger_buffer_unpacks_alike(
+    metas: List[Tuple[torch.dtype, Tuple[int, ...]]], blocks: int, seed: int
+) -> None:
+    # unpack sets each tensor on the buffer's memory at its offset counted in its own elements from the memory's
+    # start: a buffer that starts further in (on an aligned boundary, as its tensors do) must count its own offset.
+    start = blocks * 64
+    tensors = [_tensor(dtype, shape, seed + k) for k, (dtype, shape) in enumerate(metas)]
+    layout = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+    packed = wire.pack(wire.encode(wire.Kind.DATA, tensors), tensors, layout)
+    larger = torch.zeros(start + packed.numel(), dtype=torch.uint8)
+    larger[start:].copy_(packed)
+    for got, sent in zip(wire.unpack(larger[start:], layout), tensors):
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), sent.reshape(-1).view(torch.uint8))
 

@@ -191,9 +191,26 @@ def _padding(size: int) -> Tensor:
 
 
 def unpack(buffer: Tensor, layout: Layout) -> List[Tensor]:
-    """The tensors (of ``layout``) of a packed message: views of ``buffer``, no copies (its header
+    """The tensors (of ``layout``) of a packed message: tensors on ``buffer``'s memory, no copies (its header
     :func:`decode` reads from the buffer itself)."""
+    base = buffer.storage_offset()  # bytes: the buffer is uint8
+    assert base % _ALIGN == 0, "a packed buffer starts on an aligned boundary, as its tensors do"
+    storage = buffer.untyped_storage()
+    # One tensor set on the buffer's memory per tensor, in place of three views (a slice, a dtype, a shape): half
+    # the time, on the receiving thread as it posts each receive.
+    return [torch.empty(0, dtype=dtype).set_(storage, base // _SIZES[dtype] + offset, shape, strides)
+            for dtype, offset, shape, strides in _places(layout)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _places(layout: Layout) -> Tuple[Tuple[torch.dtype, int, Tuple[int, ...], Tuple[int, ...]], ...]:
+    """Each tensor's dtype, offset in the buffer in its own elements, shape and (contiguous) strides, in a packed
+    message of ``layout``."""
     extents, _ = _extents(layout)
-    return [
-        buffer[start : start + size].view(dtype).view(shape) for (dtype, shape), (start, size) in zip(layout, extents)
-    ]
+    places = []
+    for (dtype, shape), (start, _) in zip(layout, extents):
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * max(shape[d + 1], 1)
+        places.append((dtype, start // _SIZES[dtype], shape, tuple(strides)))
+    return tuple(places)
