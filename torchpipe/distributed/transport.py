@@ -53,8 +53,8 @@ from the same message, so they stay in step.
 [Note: packed messages] Where the tensors travel over gloo, as the header
 does (on CPU), a message is one buffer: its header, then its tensors' bytes,
 each at an aligned offset (:func:`wire.pack`); the receiver posts one
-receive of the remembered layout's size and takes the tensors as views of
-it (made as the receive is posted, on the thread that posts it). One send
+receive of the remembered layout's size and takes the tensors on its memory,
+no copies (made as the receive is posted, on the thread that posts it). One send
 and one receive per message instead of one per tensor more: each gloo
 operation costs the two processes' threads a round of wake-ups, which on a
 machine with few cores is most of a small message's cost. The sender keeps
@@ -156,7 +156,7 @@ def _routes(channel: Channel, schedule: Schedule, sends: Mapping[Action, Tuple[E
 
 class _Posted(NamedTuple):
     """A message's receives as posted: the header's buffer (a packed message's whole buffer) and its work, the
-    layout guessed, the tensors' buffers and works (unpacked), or the guessed tensors as views of the buffer
+    layout guessed, the tensors' buffers and works (unpacked), or the guessed tensors on the buffer's memory
     (packed: made as the receive is posted, off the way of the stage that takes the message)."""
 
     header: Tensor
