@@ -135,8 +135,13 @@ class Channel:
         self.timeout = timeout
         #: Where a rank waits for keys: a read that blocks holds its connection (see [Note: control plane]).
         self.waits: Any = _own_connection(self.store, timeout)
-        #: Headers and CPU tensors (gloo); CUDA tensors go through ``data`` (NCCL), or the same group on CPU.
+        #: Headers and CPU tensors (gloo) of messages to a higher rank; CUDA tensors go through ``data`` (NCCL), or
+        #: the same group on CPU.
         self.control, self.data = self._groups(f"pipeline/{replica}", self.rank, self.size)
+        #: The same for messages to a lower rank: a gloo group of their own (see [Note: a group for each
+        #: direction] in torchpipe/distributed/transport.py); CUDA tensors go through the one NCCL group.
+        self.control_down: Any = self._gloo(f"pipeline/{replica}/down", self.rank, self.size)
+        self.data_down: Any = self.control_down if self.device.type != "cuda" else self.data
         self.sequence = 0
         # Rank 0's wait for the others to leave the store polls it, more rarely as it goes on, at most this far
         # apart. More ranks poll one store: each polls less often.
@@ -161,13 +166,17 @@ class Channel:
         """Process groups of this pipeline's own, named ``name`` (every member passes the same name): gloo for
         headers and CPU tensors, and NCCL for CUDA tensors (the gloo group again on CPU)."""
         store = PrefixStore(name + "/", self.store)
-        control: Any = ProcessGroupGloo(PrefixStore("control", store), rank, size, self.timeout)
+        control = self._gloo(name + "/control", rank, size)
         if self.device.type != "cuda":
             return control, control
         if ProcessGroupNCCL is None:
             raise RuntimeError("a CUDA pipeline across processes needs PyTorch built with NCCL; this one is not")
         options = ProcessGroupNCCL.Options()
         return control, ProcessGroupNCCL(PrefixStore("data", store), rank, size, options)
+
+    def _gloo(self, name: str, rank: int, size: int) -> Any:
+        """A gloo process group of this pipeline's own, named ``name`` (every member passes the same name)."""
+        return ProcessGroupGloo(PrefixStore(name, self.store), rank, size, self.timeout)
 
     def subgroup(self, name: str, members: Sequence[Any], me: Any) -> Any:
         """A process group of this pipeline's own among ``members`` (made by them alone, each passing the same
