@@ -73,14 +73,16 @@ to a lower rank through a gloo group of their own, ``control_down`` (CUDA
 tensors through the one NCCL group, in order, either way). Through one group,
 both directions shared one connection, one lock of gloo's pair and one gloo
 thread in each process, which takes the arriving messages and the notices of
-the peer's posted receives: the last stage's gradient sends spent 47% of its
-stage thread's busy time in gloo's send (pipelining's sends 11%), waiting for
-the pair's lock and writing "ready to send" notices where its own gloo thread
-had not yet read the peer's "receive posted" one (`py-spy --native`). With a
-group for each direction, the tiny two-rank `1f1b` step was 0.9 to 1.2 ms
-faster with a core per rank, 1.5 to 1.9 ms with the cores shared (in one pair
-of processes, switched every 25 steps). The cost: a second gloo group per
-pipeline (its connections, made as the pipeline is, and its thread).
+the peer's posted receives. On the last stage's rank of a tiny two-rank
+`1f1b` step, the gradient sends took 47% of the stage thread's busy samples
+(`py-spy --native`: waiting for the pair's lock, writing "ready to send"
+notices where its own gloo thread had not yet read the peer's "receive
+posted" one; pipelining's sends 11%), and gloo's threads 1.9 to 2.3 ms of CPU
+a step. With a group for each direction: 13%, and 0.6 to 0.7 ms; the step
+0.9 to 1.2 ms faster with a core per rank, 1.5 to 1.9 ms with the cores
+shared (in one pair of processes, switched every 25 steps). The cost: a
+second gloo group per pipeline (its connections, made as the pipeline is,
+and its thread).
 
 [Note: abort messages] When a rank's step fails (or it learns from the store
 that another rank's did), it sends each peer, in place of the messages it
