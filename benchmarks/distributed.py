@@ -4,21 +4,29 @@ PyTorch's own ``torch.distributed.pipelining`` measured in the same run.
 Each rank is a process with one intra-op thread; the plain module runs in
 rank 0's process with one thread while rank 1 waits. The model is a 16-layer
 512-wide Linear+ReLU MLP with an MSE loss, ``chunks`` 8, batch 256 and 1024.
-For each configuration the plain step, the same 8 micro-batches run by hand
-through the plain module (the micro-batched ideal's yardstick) and the
-pipelined step alternate in rounds (barriers between them). The speed-up is
-the median over rounds of ``plain step time / pipelined step time``; *of
-ideal* is the median of ``ideal / pipelined step time``, where the ideal is
-the by-hand time times (m + p - 1) / (m p) = 9/16 (two ranks computing at once,
-less the bubble), that is a speed-up of 2 x 8/9 x plain/by hand. *Two processes* is what the machine
-allows: each rank runs the by-hand micro-batches through one half of the model (a stage's work) at the same
-time, over rank 0 running both halves one after the other (0.5 on two free cores); a pipeline's best *of
-ideal* on this machine is then 0.5 / that ratio (the *machine line*). Also: the time from starting the
-processes to the end of the first step, per library, and the fixed cost of a
-step (a 2x8 MLP, batch 8: the messages of 8 micro-batches with next to no
-computing), for steps back to back, as in training, and for one step after a
-barrier (idle threads, cold caches), with the CPU time a step back to back
-takes on both ranks, by kind of thread (from ``/proc``: Linux only).
+One pair of processes builds every configuration (both libraries' pipelines
+side by side, each on its own process groups) and runs rounds: the plain
+step, the same 8 micro-batches run by hand through the plain module (the
+micro-batched ideal's yardstick), then one step of each configuration in
+turn, the order rotating from round to round (barriers between them). So the
+configurations are compared round by round, a few seconds apart, not in runs
+minutes apart on a machine whose speed drifts. The speed-up is the median
+over rounds of ``plain step time / pipelined step time``; *of ideal* is the
+median of ``ideal / pipelined step time``, where the ideal is the by-hand
+time times (m + p - 1) / (m p) = 9/16 (two ranks computing at once, less the
+bubble), that is a speed-up of 2 x 8/9 x plain/by hand; *vs pipelining* is
+the median over rounds of pipelining's same schedule's step time over
+torchpipe's (> 1: torchpipe is faster), with the rounds torchpipe was faster
+in. *Two processes* is what the machine allows: each rank runs the by-hand
+micro-batches through one half of the model (a stage's work) at the same
+time, over rank 0 running both halves one after the other (0.5 on two free
+cores); a pipeline's best *of ideal* on this machine is then 0.5 / that
+ratio (the *machine line*). Also: each library's set-up and first step, and
+the fixed cost of a step (a 2x8 MLP, batch 8: the messages of 8
+micro-batches with next to no computing), for steps back to back, as in
+training, and for one step after a barrier (idle threads, cold caches), with
+the CPU time a step back to back takes on both ranks, by kind of thread
+(from ``/proc``: Linux only).
 
 Configurations: torchpipe ``gpipe`` and ``1f1b``; ``torch.distributed.pipelining``'s
 ``ScheduleGPipe`` and ``Schedule1F1B`` (its stages take the same halves of the model).
@@ -26,7 +34,7 @@ Configurations: torchpipe ``gpipe`` and ``1f1b``; ``torch.distributed.pipelining
 Goals (issue 18): torchpipe's gpipe and 1f1b at >= 0.90 of the ideal at batch 1024 and >= 0.80 at 256, ahead
 of pipelining's same schedule in the same run; a fixed cost per step no more than pipelining's.
 
-    python benchmarks/distributed.py [--rounds 7] [--batches 256 1024] [--json out.json]
+    python benchmarks/distributed.py [--rounds 8] [--batches 256 1024] [--json out.json]
 """
 import argparse
 import datetime
@@ -36,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple, TypeVar
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,16 +55,23 @@ from torch import Tensor, nn  # noqa: E402
 
 from benchmarks import common, models  # noqa: E402
 
+T = TypeVar("T")
+
 WORLD = 2
 LAYERS = 16
 WIDTH = 512
 CHUNKS = 8
-CONFIGS = [("torchpipe", "gpipe"), ("torchpipe", "1f1b"), ("pipelining", "ScheduleGPipe"),
-           ("pipelining", "Schedule1F1B")]
+#: A library and one of its schedules.
+Config = Tuple[str, str]
+CONFIGS: List[Config] = [("torchpipe", "gpipe"), ("torchpipe", "1f1b"), ("pipelining", "ScheduleGPipe"),
+                         ("pipelining", "Schedule1F1B")]
+#: torchpipe's schedules and the same schedule in pipelining: compared round by round.
+RIVALS: Dict[Config, Config] = {("torchpipe", "gpipe"): ("pipelining", "ScheduleGPipe"),
+                                ("torchpipe", "1f1b"): ("pipelining", "Schedule1F1B")}
 #: Issue 18's goals: the fraction of the micro-batched ideal, per batch.
 GOALS = {256: 0.80, 1024: 0.90}
-HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine line", "goal", "step ms", "plain ms",
-           "by hand ms", "two processes", "start to 1st step s"]
+HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine line", "goal", "vs pipelining",
+           "step ms", "plain ms", "by hand ms", "two processes", "set-up + 1st step s"]
 #: The model and batch that measure what a step costs by itself.
 FIXED_LAYERS, FIXED_WIDTH, FIXED_BATCH = 2, 8, 8
 #: The fixed cost's steps timed back to back in each round.
@@ -107,17 +122,35 @@ class Runner:
             p.grad = None
 
 
+def _rotated(items: Sequence[T], by: int) -> List[T]:
+    """``items`` starting from its ``by``-th (modulo its length): each round runs the configurations in another
+    order, so none always follows the by-hand step or another library."""
+    by %= len(items)
+    return list(items[by:]) + list(items[:by])
+
+
 def rank_main(
-    rank: int, library: str, schedule: str, batch: int, rounds: int, out: str, spawned: float,
+    rank: int, configs: Sequence[Config], batch: int, rounds: int, out: str, spawned: float,
     layers: int = LAYERS, width: int = WIDTH, burst: int = 0,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
+    started = time.time() - spawned
+    # Both libraries imported before the timed set-ups, alike.
+    from torch.distributed import pipelining  # noqa: F401
+
+    import torchpipe  # noqa: F401
+
     torch.manual_seed(1)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    runner = Runner(library, schedule, rank, layers, width)
-    runner.step(x, y)
-    first_step = time.time() - spawned
+    runners: Dict[Config, Runner] = {}
+    first_step: Dict[Config, float] = {}
+    for config in configs:  # each library's own set-up, then its first step (shapes, buffers, connections)
+        dist.barrier()
+        start = time.perf_counter()
+        runners[config] = Runner(*config, rank, layers, width)
+        runners[config].step(x, y)
+        first_step[config] = time.perf_counter() - start
     plain = models.mlp(layers, width)
 
     def plain_step() -> None:
@@ -135,16 +168,14 @@ def rank_main(
         plain_step()
         hand_step()
     half_step()
-    ratios: List[float] = []
-    of_ideal: List[float] = []
     plain_times: List[float] = []
     hand_times: List[float] = []
-    pipe_times: List[float] = []
+    pipe_times: Dict[Config, List[float]] = {config: [] for config in configs}
+    burst_times: Dict[Config, List[float]] = {config: [] for config in configs}
+    # Per configuration and kind of thread: CPU seconds and context switches of its steps back to back.
+    burst_cpu: Dict[Config, Dict[str, Tuple[float, int]]] = {config: {} for config in configs}
     two_processes: List[float] = []
-    burst_times: List[float] = []
-    burst_cpu: Dict[str, Tuple[float, int]] = {}  # per kind of thread: CPU seconds and context switches
-    ideal = (CHUNKS + WORLD - 1) / (CHUNKS * WORLD)
-    for _ in range(rounds):
+    for round_ in range(rounds):
         dist.barrier()
         if rank == 0:
             start = time.perf_counter()
@@ -153,21 +184,23 @@ def rank_main(
             start = time.perf_counter()
             hand_step()
             hand_times.append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        runner.step(x, y)
-        pipe_times.append(time.perf_counter() - start)
-        if burst:  # steps back to back, as in training (one step after a barrier starts on idle threads)
+        for config in _rotated(configs, round_):
+            runner = runners[config]
             dist.barrier()
-            before = common.thread_cpu()
             start = time.perf_counter()
-            for _ in range(burst):
-                runner.step(x, y)
-            burst_times.append((time.perf_counter() - start) / burst)
-            for kind, (seconds, switches) in common.thread_cpu().items():
-                was = before.get(kind, (0.0, 0))
-                cpu, count = burst_cpu.get(kind, (0.0, 0))
-                burst_cpu[kind] = (cpu + seconds - was[0], count + switches - was[1])
+            runner.step(x, y)
+            pipe_times[config].append(time.perf_counter() - start)
+            if burst:  # steps back to back, as in training (one step after a barrier starts on idle threads)
+                dist.barrier()
+                before = common.thread_cpu()
+                start = time.perf_counter()
+                for _ in range(burst):
+                    runner.step(x, y)
+                burst_times[config].append((time.perf_counter() - start) / burst)
+                for kind, (seconds, switches) in common.thread_cpu().items():
+                    was = before.get(kind, (0.0, 0))
+                    cpu, count = burst_cpu[config].get(kind, (0.0, 0))
+                    burst_cpu[config][kind] = (cpu + seconds - was[0], count + switches - was[1])
         dist.barrier()
         if rank == 0:  # both halves one after the other, then each rank its half at once
             start = time.perf_counter()
@@ -186,53 +219,95 @@ def rank_main(
             other = torch.zeros(1)
             dist.recv(other, 1)
             two_processes.append(max(float(took), float(other)) / one_after_other)
-            ratios.append(plain_times[-1] / pipe_times[-1])
-            of_ideal.append(ideal * hand_times[-1] / pipe_times[-1])
-    if burst_times:  # every rank's threads: per step, CPU milliseconds and context switches
-        steps = burst * len(burst_times)
-        Path(f"{out}.cpu{rank}").write_text(json.dumps(
-            {kind: [seconds / steps * 1e3, switches / steps] for kind, (seconds, switches) in burst_cpu.items()}
-        ))
-    if rank == 0:
-        Path(out).write_text(json.dumps({
-            "speedup": statistics.median(ratios), "of_ideal": statistics.median(of_ideal),
-            "plain_ms": statistics.median(plain_times) * 1e3, "hand_ms": statistics.median(hand_times) * 1e3,
-            "pipe_ms": statistics.median(pipe_times) * 1e3, "first_step_s": first_step,
-            "two_processes": statistics.median(two_processes),
-            "machine_line": 0.5 / statistics.median(two_processes),
-            "pipe_burst_ms": statistics.median(burst_times) * 1e3 if burst_times else None,
+    if burst:  # every rank's threads: per configuration and step, CPU milliseconds and context switches
+        steps = burst * rounds
+        Path(f"{out}.cpu{rank}").write_text(json.dumps({
+            _name(config): {kind: [seconds / steps * 1e3, switches / steps] for kind, (seconds, switches) in
+                            burst_cpu[config].items()} for config in configs
         }))
+    if rank == 0:
+        ideal = (CHUNKS + WORLD - 1) / (CHUNKS * WORLD)
+        results: Dict[str, Dict[str, Any]] = {}
+        for config in configs:
+            times = pipe_times[config]
+            result: Dict[str, Any] = {
+                "speedup": statistics.median(p / t for p, t in zip(plain_times, times)),
+                "of_ideal": statistics.median(ideal * h / t for h, t in zip(hand_times, times)),
+                "plain_ms": statistics.median(plain_times) * 1e3, "hand_ms": statistics.median(hand_times) * 1e3,
+                "pipe_ms": statistics.median(times) * 1e3, "start_s": started,
+                "first_step_s": first_step[config], "two_processes": statistics.median(two_processes),
+                "machine_line": 0.5 / statistics.median(two_processes),
+                "pipe_burst_ms": statistics.median(burst_times[config]) * 1e3 if burst else None,
+            }
+            rival = RIVALS.get(config)
+            if rival in pipe_times:  # the same schedule's steps in pipelining, round by round
+                result["vs_rival"] = _against(pipe_times[rival], times)
+                if burst:
+                    result["burst_vs_rival"] = _against(burst_times[rival], burst_times[config])
+            results[_name(config)] = result
+        Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
+def _against(rival: Sequence[float], ours: Sequence[float]) -> Dict[str, Any]:
+    """Round by round, the rival's step time over ours (> 1: ours is faster): the median, and in how many rounds
+    ours was faster."""
+    ratios = [r / o for r, o in zip(rival, ours)]
+    return {"ratio": statistics.median(ratios), "ahead": sum(ratio > 1 for ratio in ratios), "rounds": len(ratios)}
+
+
+def _name(config: Config) -> str:
+    return " ".join(config)
+
+
 def measure(
-    library: str, schedule: str, batch: int, rounds: int, timeout: float = 600.0, layers: int = LAYERS,
+    configs: Sequence[Config], batch: int, rounds: int, timeout: float = 600.0, layers: int = LAYERS,
     width: int = WIDTH, burst: int = 0,
-) -> Dict[str, Any]:
-    """Starts 2 ranks for one configuration; rank 0's figures (the ranks are killed after ``timeout`` s). With
-    ``burst``, each round also times that many steps back to back (``pipe_burst_ms``: per step)."""
+) -> Dict[str, Dict[str, Any]]:
+    """Starts 2 ranks that build every configuration and time their steps round by round, in turn; rank 0's
+    figures per configuration (``"torchpipe 1f1b"``: ...). The ranks are killed after ``timeout`` s. With
+    ``burst``, each round also times that many steps back to back (``pipe_burst_ms``: per step; ``cpu``: per
+    rank, CPU ms and context switches a step by kind of thread). Where a torchpipe schedule's rival (its
+    schedule in pipelining) is measured too, ``vs_rival`` (and ``burst_vs_rival``) compare the two round by
+    round."""
     port = common.free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
         spawned = time.time()
-        commands = [[sys.executable, __file__, "--rank", str(rank), "--library", library, "--schedule", schedule,
+        commands = [[sys.executable, __file__, "--rank", str(rank), "--configs", *map(_name, configs),
                      "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned),
                      "--layers", str(layers), "--width", str(width), "--burst", str(burst)] for rank in range(WORLD)]
-        common.run_ranks(commands, common.rank_environment(port), timeout, f"{library} {schedule} batch {batch}")
-        result = dict(json.loads(Path(out).read_text()))
+        names = ", ".join(map(_name, configs))
+        common.run_ranks(commands, common.rank_environment(port), timeout, f"{names}, batch {batch}")
+        results: Dict[str, Dict[str, Any]] = json.loads(Path(out).read_text())
         if burst:
-            result["cpu"] = [json.loads(Path(f"{out}.cpu{rank}").read_text()) for rank in range(WORLD)]
-        return result
+            cpu = [json.loads(Path(f"{out}.cpu{rank}").read_text()) for rank in range(WORLD)]
+            for name, result in results.items():
+                result["cpu"] = [rank[name] for rank in cpu]
+        return results
+
+
+def _versus(result: Dict[str, Any], key: str) -> str:
+    """A torchpipe configuration's comparison with its rival: ``"1.043 (6/8)"``, or ``""``."""
+    against = result.get(key)
+    return f"{against['ratio']:.3f} ({against['ahead']}/{against['rounds']})" if against else ""
+
+
+def _config(name: str) -> Config:
+    library, _, schedule = name.partition(" ")
+    config = (library, schedule)
+    if config not in CONFIGS:
+        raise SystemExit(f"--configs: {name!r} is not one of {', '.join(map(_name, CONFIGS))}")
+    return config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--json", default=None)
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--library", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--schedule", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--configs", nargs="+", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
@@ -241,49 +316,55 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank, args.library, args.schedule, args.batch, args.rounds, args.out, args.spawned,
-                  args.layers, args.width, args.burst)
+        rank_main(args.rank, [_config(name) for name in args.configs], args.batch, args.rounds, args.out,
+                  args.spawned, args.layers, args.width, args.burst)
         return
     print(f"machine: {common.machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
-    print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}")
+    print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}; the {len(CONFIGS)} configurations "
+          f"in one pair of processes, a step of each in every round (in turn, the order rotating)")
     rows: List[List[Any]] = []
     results: Dict[str, Dict[str, Any]] = {}
     for batch in args.batches:
-        for library, schedule in CONFIGS:
-            result = measure(library, schedule, batch, args.rounds)
-            results[f"{library} {schedule} batch={batch}"] = result
-            rows.append([f"{library} {schedule}", batch, result["speedup"], result["of_ideal"], result["machine_line"],
-                         GOALS.get(batch), result["pipe_ms"], result["plain_ms"], result["hand_ms"],
-                         result["two_processes"], result["first_step_s"]])
-            print(common.format_table(HEADERS, [rows[-1]]).splitlines()[-1], flush=True)
-    print()
-    print(common.format_table(HEADERS, rows))
-    print("(speed-up: median over rounds of plain step time / pipelined step time, measured alternately; of ideal: "
-          f"median of the by-hand time x {(CHUNKS + WORLD - 1) / (CHUNKS * WORLD):.4f} / pipelined step time; by "
-          f"hand: the same {CHUNKS} micro-batches through the plain module on one thread; two processes: each rank "
-          "a half's by-hand work at once / rank 0 both halves in turn; machine line: 0.5 / two processes, the best "
-          "of ideal these cores allow)")
+        measured = measure(CONFIGS, batch, args.rounds)
+        for name, result in measured.items():
+            results[f"{name} batch={batch}"] = result
+            rows.append([name, batch, result["speedup"], result["of_ideal"], result["machine_line"],
+                         GOALS.get(batch), _versus(result, "vs_rival"), result["pipe_ms"], result["plain_ms"],
+                         result["hand_ms"], result["two_processes"], result["first_step_s"]])
+        print(common.format_table(HEADERS, rows[-len(measured):]), flush=True)
+    if len(args.batches) > 1:
+        print()
+        print(common.format_table(HEADERS, rows))
+    print("(speed-up: median over rounds of plain step time / pipelined step time; of ideal: median of the by-hand "
+          f"time x {(CHUNKS + WORLD - 1) / (CHUNKS * WORLD):.4f} / pipelined step time; vs pipelining: median over "
+          "rounds of the step time of pipelining's same schedule / torchpipe's (> 1: torchpipe faster), and in how "
+          f"many rounds torchpipe was faster; by hand: the same {CHUNKS} micro-batches through the plain module on "
+          "one thread; two processes: each rank a half's by-hand work at once / rank 0 both halves in turn; machine "
+          "line: 0.5 / two processes, the best of ideal these cores allow; set-up: building the library's pipeline "
+          "and its first step, after the processes started (python, torch, the process group): "
+          f"{max(result['start_s'] for result in results.values()):.1f} s at most)")
     print()
     # The cost of a step itself: messages, threads, control; the model computes next to nothing.
     fixed: List[List[Any]] = []
-    for library, schedule in CONFIGS:
-        result = measure(library, schedule, FIXED_BATCH, max(args.rounds, 30), layers=FIXED_LAYERS,
-                         width=FIXED_WIDTH, burst=FIXED_BURST)
-        results[f"{library} {schedule} fixed cost"] = result
+    measured = measure(CONFIGS, FIXED_BATCH, max(args.rounds, 32), layers=FIXED_LAYERS, width=FIXED_WIDTH,
+                       burst=FIXED_BURST)
+    for name, result in measured.items():
+        results[f"{name} fixed cost"] = result
         cpu = result["cpu"]
         per_kind = [sum(rank.get(kind, [0.0, 0.0])[0] for rank in cpu) for kind in common.THREAD_KINDS]
         switches = sum(value[1] for rank in cpu for value in rank.values())
-        fixed.append([f"{library} {schedule}", result["pipe_burst_ms"], result["pipe_ms"], sum(per_kind), *per_kind,
-                      switches])
-    print(common.format_table(["configuration", "fixed cost of a step, ms", "after a barrier, ms", "CPU ms",
-                               *(f"{kind} ms" for kind in common.THREAD_KINDS), "switches"], fixed))
+        fixed.append([name, result["pipe_burst_ms"], _versus(result, "burst_vs_rival"), result["pipe_ms"],
+                      sum(per_kind), *per_kind, switches])
+    print(common.format_table(["configuration", "fixed cost of a step, ms", "vs pipelining", "after a barrier, ms",
+                               "CPU ms", *(f"{kind} ms" for kind in common.THREAD_KINDS), "switches"], fixed))
     print(f"(median step time of a {FIXED_LAYERS}x{FIXED_WIDTH} MLP, batch {FIXED_BATCH}, chunks {CHUNKS}: "
           f"{CHUNKS} micro-batches cross each way with next to no computing; steps {FIXED_BURST} back to back, as "
-          "in training, and one step after a barrier, which starts on idle threads and cold caches; CPU ms: the "
-          "CPU time of a step back to back, both ranks' threads together, then by kind of thread (main: the one "
-          "that calls step(); gloo: its transport's; store: the torch.distributed store's server, in rank 0; other "
-          "threads: the ones Python started); switches: their context switches a step. CPU ms / step time: how "
-          "many cores the step keeps busy on average)")
+          "in training, and one step after a barrier, which starts on idle threads and cold caches; vs pipelining: "
+          "round by round, pipelining's same schedule's steps back to back / torchpipe's, the median and the rounds "
+          "torchpipe was faster in; CPU ms: the CPU time of a step back to back, both ranks' threads together, then "
+          "by kind of thread (main: the one that calls step(); gloo: the transports'; store: the torch.distributed "
+          "store's server, in rank 0; other threads: the ones Python started); switches: their context switches a "
+          "step. CPU ms / step time: how many cores the step keeps busy on average)")
     if args.json:
         common.save_json(args.json, {"results": results, "goals": GOALS})
 

@@ -208,25 +208,53 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("library, schedule", [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B")])
-def test_the_distributed_benchmark_measures_both_libraries(library: str, schedule: str) -> None:
+def test_the_distributed_benchmark_measures_both_libraries_round_by_round() -> None:
     from benchmarks import distributed
 
-    assert (library, schedule) in distributed.CONFIGS
-    figures = distributed.measure(library, schedule, batch=16, rounds=1, timeout=120, burst=2)
-    assert figures["speedup"] > 0 and figures["plain_ms"] > 0 and figures["pipe_ms"] > 0
-    assert figures["pipe_burst_ms"] > 0  # steps back to back: the fixed cost's figure
-    assert 0 < figures["first_step_s"] < 120
-    # Two processes each doing half the work at once take more than a quarter and less than twice the time
-    # of one doing both halves; the machine line is the ideal's share that allows.
-    assert 0.25 < figures["two_processes"] < 2 and figures["machine_line"] == 0.5 / figures["two_processes"]
-    # The CPU of the steps back to back, per rank and kind of thread: every rank has its main thread, which
-    # waited for messages (context switches), and gloo's threads.
-    assert len(figures["cpu"]) == distributed.WORLD
-    for rank in figures["cpu"]:
-        assert {"main", "gloo"} <= set(rank) <= set(common.THREAD_KINDS), rank
-        assert all(ms >= 0 and switches >= 0 for ms, switches in rank.values()), rank
-        assert rank["main"][1] > 0, rank
+    configs = [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B"), ("torchpipe", "gpipe")]
+    assert set(configs) <= set(distributed.CONFIGS) and distributed.RIVALS[configs[0]] == configs[1]
+    figures = distributed.measure(configs, batch=16, rounds=2, timeout=180, burst=2)
+    assert set(figures) == {"torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe gpipe"}
+    for name, result in figures.items():
+        assert result["speedup"] > 0 and result["plain_ms"] > 0 and result["pipe_ms"] > 0, name
+        assert result["pipe_burst_ms"] > 0  # steps back to back: the fixed cost's figure
+        assert 0 < result["first_step_s"] < 120 and 0 < result["start_s"] < 120
+        # Two processes each doing half the work at once take more than a quarter and less than twice the time
+        # of one doing both halves; the machine line is the ideal's share that allows.
+        assert 0.25 < result["two_processes"] < 2 and result["machine_line"] == 0.5 / result["two_processes"]
+        # The CPU of the steps back to back, per rank and kind of thread: every rank has its main thread, which
+        # waited for messages (context switches), and gloo's threads.
+        assert len(result["cpu"]) == distributed.WORLD
+        for rank in result["cpu"]:
+            assert {"main", "gloo"} <= set(rank) <= set(common.THREAD_KINDS), (name, rank)
+            assert all(ms >= 0 and switches >= 0 for ms, switches in rank.values()), (name, rank)
+            assert rank["main"][1] > 0, (name, rank)
+    # One pair of processes ran them all, round by round: the machine line and yardsticks are shared.
+    assert len({result["two_processes"] for result in figures.values()}) == 1
+    assert len({result["hand_ms"] for result in figures.values()}) == 1
+    # torchpipe's 1f1b against Schedule1F1B in the same rounds; gpipe's rival was not measured.
+    for key in ("vs_rival", "burst_vs_rival"):
+        against = figures["torchpipe 1f1b"][key]
+        assert against["rounds"] == 2 and 0 <= against["ahead"] <= 2 and against["ratio"] > 0
+        assert key not in figures["torchpipe gpipe"] and key not in figures["pipelining Schedule1F1B"]
+
+
+def test_the_distributed_benchmark_rotates_the_order_of_configurations() -> None:
+    from benchmarks import distributed
+
+    orders = [distributed._rotated("abcd", round_) for round_ in range(8)]
+    assert orders[:4] == [list("abcd"), list("bcda"), list("cdab"), list("dabc")] and orders[4:] == orders[:4]
+    # Over 4 rounds each configuration runs once in each place.
+    assert all(sorted(order[place] for order in orders[:4]) == list("abcd") for place in range(4))
+
+
+def test_the_distributed_benchmark_against_figures() -> None:
+    from benchmarks import distributed
+
+    against = distributed._against([2.0, 1.0, 3.0], [1.0, 2.0, 2.0])  # rival / ours: 2.0, 0.5, 1.5
+    assert against == {"ratio": 1.5, "ahead": 2, "rounds": 3}
+    assert distributed._versus({"vs_rival": against}, "vs_rival") == "1.500 (2/3)"
+    assert distributed._versus({}, "vs_rival") == ""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread_cpu reads /proc")
