@@ -165,14 +165,13 @@ class Channel:
     def _groups(self, name: str, rank: int, size: int) -> Tuple[Any, Any]:
         """Process groups of this pipeline's own, named ``name`` (every member passes the same name): gloo for
         headers and CPU tensors, and NCCL for CUDA tensors (the gloo group again on CPU)."""
-        store = PrefixStore(name + "/", self.store)
         control = self._gloo(name + "/control", rank, size)
         if self.device.type != "cuda":
             return control, control
         if ProcessGroupNCCL is None:
             raise RuntimeError("a CUDA pipeline across processes needs PyTorch built with NCCL; this one is not")
         options = ProcessGroupNCCL.Options()
-        return control, ProcessGroupNCCL(PrefixStore("data", store), rank, size, options)
+        return control, ProcessGroupNCCL(PrefixStore(name + "/data", self.store), rank, size, options)
 
     def _gloo(self, name: str, rank: int, size: int) -> Any:
         """A gloo process group of this pipeline's own, named ``name`` (every member passes the same name)."""
