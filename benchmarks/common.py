@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -297,6 +297,16 @@ def round_robin(
     return {variant.name: times for variant, times in zip(variants, timed)}
 
 
+T = TypeVar("T")
+
+
+def rotated(items: Sequence[T], by: int) -> List[T]:
+    """``items`` starting from its ``by``-th (modulo its length): round ``by``'s order of steps that run once a
+    round, so that none always follows the same one."""
+    by %= len(items)
+    return list(items[by:]) + list(items[:by])
+
+
 def _timed_rounds(
     variants: Sequence[Variant], rounds: int, warmup: int, device: torch.device, bar: Any, rotate: bool
 ) -> List[List[float]]:
@@ -304,8 +314,7 @@ def _timed_rounds(
     variant once, in their order, or (``rotate``) starting one later each round."""
     times: List[List[float]] = [[] for _ in variants]
     for round in range(warmup + rounds):
-        shift = round % len(variants) if rotate else 0
-        for k in list(range(shift, len(variants))) + list(range(shift)):
+        for k in rotated(range(len(variants)), round if rotate else 0):
             seconds = _timed(variants[k], device)
             if round >= warmup:
                 times[k].append(seconds)

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple, TypeVar
+from typing import Any, Dict, List, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,8 +54,6 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks import common, models  # noqa: E402
-
-T = TypeVar("T")
 
 WORLD = 2
 LAYERS = 16
@@ -122,13 +120,6 @@ class Runner:
             p.grad = None
 
 
-def _rotated(items: Sequence[T], by: int) -> List[T]:
-    """``items`` starting from its ``by``-th (modulo its length): each round runs the configurations in another
-    order, so none always follows the by-hand step or another library."""
-    by %= len(items)
-    return list(items[by:]) + list(items[:by])
-
-
 def rank_main(
     rank: int, configs: Sequence[Config], batch: int, rounds: int, out: str, spawned: float,
     layers: int = LAYERS, width: int = WIDTH, burst: int = 0,
@@ -184,7 +175,7 @@ def rank_main(
             start = time.perf_counter()
             hand_step()
             hand_times.append(time.perf_counter() - start)
-        for config in _rotated(configs, round_):
+        for config in common.rotated(configs, round_):  # none always after the by-hand step or one library
             runner = runners[config]
             dist.barrier()
             start = time.perf_counter()
@@ -227,16 +218,19 @@ def rank_main(
         }))
     if rank == 0:
         ideal = (CHUNKS + WORLD - 1) / (CHUNKS * WORLD)
+        two = statistics.median(two_processes)
+        shared = {  # every configuration's rounds had the same yardsticks
+            "plain_ms": statistics.median(plain_times) * 1e3, "hand_ms": statistics.median(hand_times) * 1e3,
+            "start_s": started, "two_processes": two, "machine_line": 0.5 / two,
+        }
         results: Dict[str, Dict[str, Any]] = {}
         for config in configs:
             times = pipe_times[config]
             result: Dict[str, Any] = {
+                **shared,
                 "speedup": statistics.median(p / t for p, t in zip(plain_times, times)),
                 "of_ideal": statistics.median(ideal * h / t for h, t in zip(hand_times, times)),
-                "plain_ms": statistics.median(plain_times) * 1e3, "hand_ms": statistics.median(hand_times) * 1e3,
-                "pipe_ms": statistics.median(times) * 1e3, "start_s": started,
-                "first_step_s": first_step[config], "two_processes": statistics.median(two_processes),
-                "machine_line": 0.5 / statistics.median(two_processes),
+                "pipe_ms": statistics.median(times) * 1e3, "first_step_s": first_step[config],
                 "pipe_burst_ms": statistics.median(burst_times[config]) * 1e3 if burst else None,
             }
             rival = RIVALS.get(config)

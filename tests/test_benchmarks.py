@@ -239,10 +239,8 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round() -> N
         assert key not in figures["torchpipe gpipe"] and key not in figures["pipelining Schedule1F1B"]
 
 
-def test_the_distributed_benchmark_rotates_the_order_of_configurations() -> None:
-    from benchmarks import distributed
-
-    orders = [distributed._rotated("abcd", round_) for round_ in range(8)]
+def test_rounds_rotate_the_order_of_their_steps() -> None:
+    orders = [common.rotated("abcd", round_) for round_ in range(8)]
     assert orders[:4] == [list("abcd"), list("bcda"), list("cdab"), list("dabc")] and orders[4:] == orders[:4]
     # Over 4 rounds each configuration runs once in each place.
     assert all(sorted(order[place] for order in orders[:4]) == list("abcd") for place in range(4))

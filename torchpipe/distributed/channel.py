@@ -135,13 +135,14 @@ class Channel:
         self.timeout = timeout
         #: Where a rank waits for keys: a read that blocks holds its connection (see [Note: control plane]).
         self.waits: Any = _own_connection(self.store, timeout)
-        #: Headers and CPU tensors (gloo) of messages to a higher rank; CUDA tensors go through ``data`` (NCCL), or
-        #: the same group on CPU.
-        self.control, self.data = self._groups(f"pipeline/{replica}", self.rank, self.size)
+        #: The groups of messages to a higher rank: gloo for headers and CPU tensors (``control``), and for CUDA
+        #: tensors NCCL (``data``; the same gloo group on CPU).
+        self.up: Tuple[Any, Any] = self._groups(f"pipeline/{replica}", self.rank, self.size)
+        self.control, self.data = self.up
+        down = self._gloo(f"pipeline/{replica}/down", self.rank, self.size)
         #: The same for messages to a lower rank: a gloo group of their own (see [Note: a group for each
         #: direction] in torchpipe/distributed/transport.py); CUDA tensors go through the one NCCL group.
-        self.control_down: Any = self._gloo(f"pipeline/{replica}/down", self.rank, self.size)
-        self.data_down: Any = self.control_down if self.device.type != "cuda" else self.data
+        self.down: Tuple[Any, Any] = (down, self.data if self.device.type == "cuda" else down)
         self.sequence = 0
         # Rank 0's wait for the others to leave the store polls it, more rarely as it goes on, at most this far
         # apart. More ranks poll one store: each polls less often.

@@ -68,9 +68,9 @@ NCCL, separately.
 
 [Note: a group for each direction] A pair of ranks sends messages both
 ways (activations to the next stage, gradients back). The messages to a
-higher rank go through the channel's ``control`` group (and ``data``), those
-to a lower rank through a gloo group of their own, ``control_down`` (CUDA
-tensors through the one NCCL group, in order, either way). Through one group,
+higher rank go through the channel's ``up`` groups (``control`` and
+``data``), those to a lower rank through ``down``, a gloo group of their own
+(CUDA tensors through the one NCCL group, in order, either way). Through one group,
 both directions shared one connection, one lock of gloo's pair and one gloo
 thread in each process, which takes the arriving messages and the notices of
 the peer's posted receives. On the last stage's rank of a tiny two-rank
@@ -545,8 +545,7 @@ class DistributedTransport:
     def _groups(self, source: int, target: int) -> Tuple[Any, Any]:
         """The process groups (for the header, for the tensors) of a message from rank ``source`` to rank
         ``target``: one pair of groups for each direction (see [Note: a group for each direction])."""
-        channel = self.channel
-        return (channel.control, channel.data) if source < target else (channel.control_down, channel.data_down)
+        return self.channel.up if source < target else self.channel.down
 
     def _tag(self, k: int, part: int) -> int:
         return self._base + 2 * k + part
@@ -640,12 +639,13 @@ class DistributedTransport:
         """Posts the receives of message ``k`` from ``peer``: its header's, and its tensors' of the layout the
         message had the last time it crossed (see [Note: expected layouts])."""
         expected = self.channel.layouts.get((peer, self.rank, edge), ())
+        control = self._groups(peer, self.rank)[0]
         if self._packed:
             buffer = torch.empty(wire.packed_bytes(expected), dtype=torch.uint8)
-            work = self._groups(peer, self.rank)[0].recv([buffer], peer, self._tag(k, 0))
+            work = control.recv([buffer], peer, self._tag(k, 0))
             return _Posted(buffer, work, expected, [], wire.unpack(buffer, expected))
         header = torch.empty(wire.HEADER_LENGTH, dtype=torch.int64)
-        header_work = self._groups(peer, self.rank)[0].recv([header], peer, self._tag(k, 0))
+        header_work = control.recv([header], peer, self._tag(k, 0))
         tensors = self._post_receives(peer, k, expected, self.devices[edge.target])
         return _Posted(header, header_work, expected, tensors, [])
 
