@@ -882,10 +882,10 @@ class _LeaseSpy:
         lease = process_lease()
         take = lease.take
 
-        def spy(*, may_wait: bool) -> bool:
+        def spy(*, may_wait: bool, **named: Any) -> bool:
             me = threading.get_ident()
             self.entered.add(me)
-            got = take(may_wait=may_wait)
+            got = take(may_wait=may_wait, **named)
             self.returned.append((me, got))
             return got
 

@@ -117,6 +117,7 @@ class GPipe(nn.Module):
             inspect_skip_layout(stages),
             inline_backward=True,
             noun="partition",
+            name=f"GPipe(balance={balance})",
         )
         self._runner.share(shared_stages(stages, ties))
         self._runner.tied_copies = [group for group in copies if len(group) > 1]

@@ -217,7 +217,10 @@ class Pipeline(nn.Module):
         self._stages = stages
         self._ties = ties
         self.data_parallel = None if on_mesh is None else on_mesh.mode
-        self._runner = Runner(stages, stage_devices, plan, stage_workers, worker_devices, layout)
+        self._runner = Runner(
+            stages, stage_devices, plan, stage_workers, worker_devices, layout,
+            name=f"Pipeline(balance={balance}, schedule={self.schedule_name!r})",
+        )
         self._runner.share(shared_stages(stages, ties))
         if self._channel is None:
             if any(len(group) > 1 for group in copies):

@@ -43,6 +43,8 @@ from typing import Any, Callable, ContextManager, Dict, Generator, List, Optiona
 
 import torch
 
+from torchpipe import waits
+
 __all__ = ["Worker", "WorkerGroup", "ThreadContext", "default_intra_op_threads", "fork_generation"]
 
 R = TypeVar("R")
@@ -180,9 +182,10 @@ def _serve(tasks: "queue.SimpleQueue[Any]", num_threads: int, device: torch.devi
         item = tasks.get()
         if item is _STOP:
             return
-        fn, future = item
+        fn, future, passes = item
         if not future.set_running_or_notify_cancel():
             continue
+        waits.work_for(passes)  # see [Note: waits]
         try:
             result = fn()
         except BaseException as exc:  # noqa: B036 - carried back to the caller, never swallowed
@@ -190,6 +193,7 @@ def _serve(tasks: "queue.SimpleQueue[Any]", num_threads: int, device: torch.devi
             del exc
         else:
             future.set_result(result)
+        waits.work_for(())
         del fn, future, item
 
 
@@ -211,7 +215,8 @@ class Worker:
         _threads.add(self._thread)
 
     def submit(self, fn: Callable[[], R]) -> "Future[R]":
-        """Queues ``fn``; its result (or exception) arrives through the returned future.
+        """Queues ``fn``; its result (or exception) arrives through the returned future. ``fn`` runs for the
+        backward passes the calling thread works for (see [Note: waits]).
 
         Raises:
             RuntimeError: the worker was stopped, or belongs to the parent of
@@ -221,7 +226,7 @@ class Worker:
             why = "was made before this process was forked" if self.generation != _generation else "was stopped"
             raise RuntimeError(f"torchpipe worker {self.name} {why}; it cannot run tasks")
         future: Future[R] = Future()
-        self._tasks.put((fn, future))
+        self._tasks.put((fn, future, waits.behalf()))
         return future
 
     @property

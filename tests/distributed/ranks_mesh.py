@@ -74,6 +74,13 @@ def tied_across_ranks(rank: int, world: int) -> List[str]:
         for key, value in plain.state_dict().items():
             if key in state and not torch.allclose(state[key], value):
                 problems.append(f"{schedule}: after 3 steps {key} drifted from the plain module's")
+        # The head's rank also holds its copy under the first holder's name, first (the name the optimizer's
+        # state and DCP key it by, whatever the layout): docs/language_models.md, "State dicts".
+        head = f"{len(model) - 1}.weight"
+        held = [key for key in state if key in ("0.weight", head)]
+        expected_keys = ["0.weight"] if rank == 0 else ["0.weight", head]
+        if held != expected_keys:
+            problems.append(f"{schedule}: rank {rank} holds the tied weight under {held}, not {expected_keys}")
     return problems
 
 

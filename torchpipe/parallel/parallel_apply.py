@@ -19,18 +19,21 @@ worker runs each task in the caller's (:class:`ThreadContext`).
 import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
+from torchpipe import waits
 from torchpipe.parallel.replicate import Replica
 from torchpipe.rng import may_draw, step_seed, streams, task_seed
 from torchpipe.transfer import map_structure, tensors_of
 from torchpipe.worker import ThreadContext, WorkerGroup
 
-__all__ = ["Arguments", "ThreadContext", "ParallelBackward", "parallel_apply", "wait_all"]
+__all__ = ["Arguments", "ThreadContext", "ParallelBackward", "parallel_apply", "run_all", "wait_all"]
+
+R = TypeVar("R")
 
 #: The positional and keyword arguments of one replica.
 Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
@@ -60,6 +63,17 @@ def wait_all(futures: Sequence["Future[Any]"], devices: Sequence[torch.device]) 
             error.add_note(f"(raised in torchpipe data-parallel replica {index} on {devices[index]})")
         raise error
     return results
+
+
+def run_all(
+    workers: WorkerGroup, tasks: Sequence[Callable[[], R]], devices: Sequence[torch.device], label: str
+) -> List[R]:
+    """Runs ``tasks[i]`` on worker ``i``, all at once; their results (see :func:`wait_all`), once every one has
+    finished. A task that would wait for this thread fails instead (see [Note: waits])."""
+    threads = [workers[i].thread for i in range(len(tasks))]
+    with waits.waiting(f"the data-parallel replicas of {label!r}", threads):
+        futures = [workers[i].submit(task) for i, task in enumerate(tasks)]
+        return wait_all(futures, devices)
 
 
 @dataclass
@@ -114,15 +128,15 @@ class ParallelBackward(torch.autograd.Function):
                 "pass retain_graph=True to the first backward"
             )
         create_graph = torch.is_grad_enabled()
-        futures: List[Future[Optional[Tuple[Optional[Tensor], ...]]]] = []
+        tasks: List[Callable[[], Optional[Tuple[Optional[Tensor], ...]]]] = []
         position = 0
         for index, (outputs, targets) in enumerate(zip(state.outputs, state.targets)):
             pairs = [
                 (o, g) for o, g in zip(outputs, grads[position : position + len(outputs)]) if g is not None
             ]
             position += len(outputs)
-            futures.append(state.workers[index].submit(_grad_task(pairs, targets, create_graph, state, index)))
-        results = wait_all(futures, state.devices)
+            tasks.append(_grad_task(pairs, targets, create_graph, state, index))
+        results = run_all(state.workers, tasks, state.devices, state.label)
 
         # Free the replicas' graphs once the caller's backward is over, unless it retains its graph.
         def release() -> None:
@@ -204,19 +218,19 @@ def parallel_apply(
         any(s for s in sources) or any(p.requires_grad for r in replicas for p in r.parameters)
     )
     if not needs_grad:
-        futures = [
-            workers[i].submit(_forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward", seeds[i]))
+        forwards = [
+            _forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward", seeds[i])
             for i, (r, a) in enumerate(zip(replicas, arguments))
         ]
-        return wait_all(futures, devices)
+        return run_all(workers, forwards, devices, label)
 
     # Each replica records a graph of its own that starts at detached copies of its inputs.
     leaves: List[Arguments] = [map_structure(_detach_leaf, a) for a in arguments]
-    futures = [
-        workers[i].submit(_forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward", seeds[i]))
+    forwards = [
+        _forward_task(r, a, context, f"torchpipe/{label}/replica{i}/forward", seeds[i])
         for i, (r, a) in enumerate(zip(replicas, leaves))
     ]
-    outputs = wait_all(futures, devices)
+    outputs = run_all(workers, forwards, devices, label)
     flat_outputs = [tensors_of(o) for o in outputs]
     if not any(flat_outputs):
         return outputs

@@ -12,8 +12,9 @@ its own type and message.
 import functools
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
+from torchpipe import waits
 from torchpipe.runtime.driver import drive
 from torchpipe.runtime.step import Step
 from torchpipe.runtime.transport import Aborted
@@ -32,19 +33,21 @@ def execute(step: Step, schedule: Schedule, inline: Sequence[Action] = ()) -> No
     """
     inline_workers = {step.runner.stage_workers[a.stage] for a in inline}
     futures: List[Future[None]] = []
-    failure: Optional[BaseException] = None
+    failures: List[BaseException] = []
     try:
         pending = [(w, actions) for w, actions in enumerate(schedule.workers) if actions and w not in inline_workers]
         if pending:
             workers = step.runner.workers()
-            for w, actions in pending:
-                futures.append(workers[w].submit(functools.partial(drive, step, actions)))
-        if inline:
-            try:
-                drive(step, inline)
-            except BaseException as exc:  # noqa: B036 - raised below, once every worker has stopped
-                failure = exc
-        wait_futures(futures)
+            threads = [workers[w].thread for w, _ in pending]
+            # Said before the tasks are handed over: a worker's wait that would close a circle through this
+            # thread then fails, not this one (see [Note: waits]).
+            with waits.waiting(f"the workers of {step.runner.label}", threads):
+                for w, actions in pending:
+                    futures.append(workers[w].submit(functools.partial(drive, step, actions)))
+                _drive_inline(step, inline, failures)
+                wait_futures(futures)
+        else:
+            _drive_inline(step, inline, failures)
     except BaseException:
         # Interrupted while waiting (KeyboardInterrupt, say), or a worker could not take the task: stop every
         # worker, and let the tasks already running end, before the caller moves on.
@@ -52,9 +55,9 @@ def execute(step: Step, schedule: Schedule, inline: Sequence[Action] = ()) -> No
         _wait_for(futures)
         futures.clear()
         raise
-    errors = [failure] + [f.exception() for f in futures]
+    errors = failures + [f.exception() for f in futures]
     futures.clear()
-    failure = None
+    failures.clear()
     root = next((e for e in errors if e is not None and not isinstance(e, Aborted)), None)
     if root is None:
         root = next((e for e in errors if e is not None), None)
@@ -67,6 +70,16 @@ def execute(step: Step, schedule: Schedule, inline: Sequence[Action] = ()) -> No
             raise root
         finally:
             root = None
+
+
+def _drive_inline(step: Step, inline: Sequence[Action], failures: List[BaseException]) -> None:
+    """Runs the ``inline`` actions on this thread; a failure is kept in ``failures``, raised once every worker
+    has stopped."""
+    if inline:
+        try:
+            drive(step, inline)
+        except BaseException as exc:  # noqa: B036 - raised by execute, once every worker has stopped
+            failures.append(exc)
 
 
 def _wait_for(futures: Sequence["Future[None]"]) -> None:

@@ -118,7 +118,7 @@ class PipelineFunction(torch.autograd.Function):
         if any(wanted) and not step.direct:
             # Setting the gradients aside is one backward pass's at a time (see [Note: gradient lease]): wait
             # for another thread's pass where this thread may, else accumulate into .grad directly.
-            step.direct = not process_lease().take(may_wait=can_wait(grad_outputs))
+            step.direct = not process_lease().take(may_wait=can_wait(grad_outputs), who=step.runner.label)
         needed = iter([wants and not step.direct for wants in wanted])
         step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
         copies = step.runner.tied_copies

@@ -27,26 +27,29 @@ may one nested in the holder's pass on the same thread (a reentrant
 checkpoint); those accumulate into ``.grad`` directly, as [Note: joined
 graphs] does: correct sums, but each micro-batch's gradient reaches ``.grad``
 (and the parameters' hooks) on its own, and ``torch.autograd.grad`` with
-respect to the parameters finds none. What the lease does not cover: a
-parameter that also gets a gradient outside the GPipe, from another thread's
-pass, and a backward that waits for another thread's (a barrier in a hook),
-which may wait for ever beside a pass waiting here.
+respect to the parameters finds none.
+
+A pass that works *for* the holder takes part in its lease: a GPipe nested
+in a GPipe (or in a ``DataParallel`` replica inside one) runs its backward
+as a pass of its own on the outer pipeline's worker, inside the outer pass's
+phase, which waits for it (see [Note: waits]). It sets its gradients aside
+as the outer pass's own GPipe does, within the outer worker's own setting
+aside; waiting would wait for ever. Any other wait here that would close a
+circle is a ``RuntimeError`` naming the pipelines, not a hang. What the lease
+does not cover: a parameter that also gets a gradient outside the GPipe, from
+another thread's pass, and a backward that waits for another thread's (a
+barrier in a hook), which may wait for ever beside a pass waiting here.
 """
 import threading
-from typing import Callable, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from torchpipe import waits
 from torchpipe.worker import fork_generation
 
 __all__ = ["GradientLease", "process_lease", "can_wait"]
-
-
-def _graph_task() -> object:
-    """The running backward pass's identity (a fresh object when this PyTorch does not say: never shared)."""
-    current: Optional[Callable[[], int]] = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else object()
 
 
 def can_wait(grads: Sequence[Optional[Tensor]]) -> bool:
@@ -64,29 +67,47 @@ class GradientLease:
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._holder: Optional[object] = None
-        self._thread: Optional[int] = None
+        self._thread: Optional[threading.Thread] = None
+        self._who = ""
 
     @property
     def held(self) -> bool:
         """Whether a backward pass holds the lease now."""
         return self._holder is not None
 
-    def take(self, *, may_wait: bool) -> bool:
-        """Takes the lease for the running backward pass (or finds it holds it already): True. False when
-        another pass holds it and this one may not wait (``may_wait`` false, or the holder is this thread's,
-        so this pass runs nested inside it)."""
-        task = _graph_task()
-        me = threading.get_ident()
+    def take(self, *, may_wait: bool, who: str = "a GPipe") -> bool:
+        """Takes the lease for the running backward pass (or finds it holds it already, or works for the pass
+        that does): True. False when another pass holds it and this one may not wait (``may_wait`` false, or
+        the holder is this thread's, so this pass runs nested inside it). ``who`` names the taker's pipeline.
+
+        Raises:
+            RuntimeError: the holder's pass waits, through other threads,
+                for this one (see [Note: waits]).
+        """
+        running = waits.running_pass()
+        task: object = running if running is not None else object()  # unknown: a pass of its own
+        me = threading.current_thread()
         with self._changed:
-            while self._holder is not None and self._holder != task:
-                if not may_wait or self._thread == me:
+            if self._holder is not None and self._holder != task:
+                if self._holder in waits.behalf():
+                    return True  # this pass runs for the holder's, inside its phase: see [Note: gradient lease]
+                if not may_wait or self._thread is me:
                     return False
-                self._changed.wait()
+                with waits.waiting(lambda: f"the gradient lease (for {who}'s backward), held by the backward pass "
+                                   f"of {self._who}", self._holders) as check:
+                    while self._holder is not None and self._holder != task:
+                        self._changed.wait(waits.RECHECK)
+                        check()
             if self._holder is None:
                 # The callback first: if the engine refuses it, nothing is held.
                 torch.autograd.Variable._execution_engine.queue_callback(_Release(self, task))
-                self._holder, self._thread = task, me
+                self._holder, self._thread, self._who = task, me, who
             return True
+
+    def _holders(self) -> List[threading.Thread]:
+        """The thread whose backward pass holds the lease now (none when free)."""
+        thread = self._thread
+        return [thread] if thread is not None else []
 
     def release(self, task: object) -> None:
         """Ends ``task``'s lease (nothing if another holds it) and wakes the waiting passes."""

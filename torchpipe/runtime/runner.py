@@ -14,12 +14,14 @@ inline, on the calling thread, in the order of a unit-time simulation; every
 other worker runs on its thread. A Pipeline step is driven from the user's
 thread, not the engine's, so all its workers run on their threads.
 """
+import itertools
 import threading
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from torchpipe import waits
 from torchpipe.microbatch import Batch
 from torchpipe.runtime.driver import StageHooks, lifecycle
 from torchpipe.runtime.executor import execute
@@ -31,6 +33,9 @@ from torchpipe.stream import AbstractStream, new_stream
 from torchpipe.worker import WorkerGroup, fork_generation
 
 __all__ = ["Runner"]
+
+#: Numbers the runners of this process, so that messages tell pipelines apart.
+_numbers = itertools.count(1)
 
 BACKWARD_PHASE = (Kind.RECOMPUTE, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 
@@ -48,6 +53,8 @@ class Runner:
         inline_backward: run GPipe's backward-phase actions of workers on the
             output's CUDA device on the calling thread (see [Note: backward threads]).
         noun: what messages call a stage (GPipe says ``'partition'``).
+        name: what messages call the pipeline (``'GPipe(balance=[2, 2])'``); a number
+            is added that tells pipelines apart.
     """
 
     def __init__(
@@ -61,9 +68,12 @@ class Runner:
         *,
         inline_backward: bool = False,
         noun: str = "stage",
+        name: str = "a pipeline",
     ) -> None:
         self.stages = list(stages)
         self.noun = noun
+        #: The pipeline as messages name it: ``name`` and a number of its own (see [Note: waits]).
+        self.label = f"{name} #{next(_numbers)}"
         self.devices = list(devices)
         self.stages_count = len(self.stages)
         self.schedule = schedule
@@ -106,6 +116,7 @@ class Runner:
         self._generation = fork_generation()
         self._lock = threading.Lock()
         self._phase_lock = threading.Lock()
+        self._phase_owner: Optional[threading.Thread] = None
         self._workers = None
         self.share(getattr(self, "_shared", []))
 
@@ -116,7 +127,7 @@ class Runner:
     def __getstate__(self) -> Dict[str, Any]:
         # Copies (deepcopy, pickle) get their own workers, streams and locks.
         state = self.__dict__.copy()
-        for name in ("_lock", "_phase_lock", "_workers", "_copy_streams", "_plans", "shared_locks"):
+        for name in ("_lock", "_phase_lock", "_phase_owner", "_workers", "_copy_streams", "_plans", "shared_locks"):
             state.pop(name, None)
         return state
 
@@ -174,8 +185,21 @@ class Runner:
         self._check_fork()
         # One phase at a time per pipeline: two threads driving the same module would otherwise interleave
         # their action lists on the shared workers, and could wait on each other.
-        with self._phase_lock:
+        if not self._phase_lock.acquire(blocking=False):
+            with waits.waiting(f"the running phase of {self.label}", self._phase_owners) as check:
+                while not self._phase_lock.acquire(timeout=waits.RECHECK):
+                    check()
+        self._phase_owner = threading.current_thread()
+        try:
             execute(step, schedule, inline)
+        finally:
+            self._phase_owner = None
+            self._phase_lock.release()
+
+    def _phase_owners(self) -> List[threading.Thread]:
+        """The thread that runs this pipeline's phase now (none between phases)."""
+        owner = self._phase_owner
+        return [owner] if owner is not None else []
 
     def run_forward(self, step: Step) -> List[Batch]:
         """Runs every forward action of ``step``; returns the last stage's output per micro-batch."""
