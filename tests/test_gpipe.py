@@ -325,13 +325,13 @@ def test_repeated_steps_leak_no_threads() -> None:
             model(torch.randn(8, 4))
     # No new thread (threads of earlier tests' collected models may end meanwhile).
     assert set(threading.enumerate()) - before == set()
-    assert all(w.thread in before for w in model._runner.workers().workers)
+    assert all(w.thread in before for w in model._runner.stages.workers().workers)
 
 
 def test_workers_stop_when_the_gpipe_is_collected() -> None:
     model = cpu_gpipe(mlp(2, 4), [2, 2], chunks=2)
     model(torch.randn(4, 4)).sum().backward()
-    threads = [w.thread for w in model._runner.workers().workers]
+    threads = [w.thread for w in model._runner.stages.workers().workers]
     assert len(threads) == 2 and all(t.is_alive() for t in threads)
     ref = weakref.ref(model)
     del model

@@ -171,8 +171,8 @@ def test_a_nested_backward_that_would_wait_for_its_holder_raises_naming_both_gpi
     # its wait for the lease would be a wait for itself: it raises, naming the pipelines, instead of hanging.
     monkeypatch.setattr(waits, "behalf", lambda: ())
     piped = nested(2, "never")
-    inner_label = piped[0][0]._runner.label
-    outer_label = piped[0]._runner.label
+    inner_label = piped[0][0]._runner.stages.label
+    outer_label = piped[0]._runner.stages.label
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="a wait that would never end") as raised:
         piped(torch.randn(4, 4)).sum().backward()

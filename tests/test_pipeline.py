@@ -426,7 +426,7 @@ def test_argument_errors() -> None:
 def test_uses_a_worker_per_stage_and_names_them() -> None:
     pipe = Pipeline(model_for(4), [1, 1, 1, 1], chunks=2, loss_fn=mse)
     pipe.step(torch.randn(4, 6), torch.randn(4, 6))
-    names = [w.thread.name for w in pipe._runner.workers().workers]
+    names = [w.thread.name for w in pipe._runner.stages.workers().workers]
     assert names == [f"torchpipe-stage-{k}" for k in range(4)]
     interleaved = Pipeline(model_for(4), [1, 1, 1, 1], chunks=2, loss_fn=mse, schedule="interleaved_1f1b")
     assert interleaved.schedule.stage_workers == (0, 1, 0, 1)

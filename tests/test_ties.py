@@ -95,8 +95,8 @@ def test_gpipe_sums_the_gradients_of_copies_on_other_devices() -> None:
     piped = GPipe(model, [4, 6], devices=["cpu", "cpu"], chunks=3)
     head = piped[-1]
     head.weight = nn.Parameter(head.weight.detach().clone())
-    piped._runner.tied_copies = [[piped[0].weight, head.weight]]
-    piped._runner.share([])
+    piped._runner.stages.tied_copies = [[piped[0].weight, head.weight]]
+    piped._runner.stages.share([])
     x, y = tokens()
     lm_loss(piped(x), y).backward()
     lm_loss(plain(x), y).backward()
@@ -215,8 +215,8 @@ def test_gpipe_clip_grad_norm_counts_copies_once() -> None:
     piped = GPipe(model, [4, 6], devices=["cpu", "cpu"], chunks=3)
     head = piped[-1]
     head.weight = nn.Parameter(head.weight.detach().clone())
-    piped._runner.tied_copies = [[piped[0].weight, head.weight]]
-    piped._runner.share([])
+    piped._runner.stages.tied_copies = [[piped[0].weight, head.weight]]
+    piped._runner.stages.share([])
     x, y = tokens()
     lm_loss(piped(x), y).backward()
     lm_loss(plain(x), y).backward()

@@ -1,27 +1,19 @@
 """The GPipe module: arguments, the container protocol, and the forward entry of a pipelined step."""
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
 
-from torchpipe import microbatch, transfer
-from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
+from torchpipe import microbatch
+from torchpipe.batchnorm import DeferredBatchNorm
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
-from torchpipe.clip import clip_grad_norm
 from torchpipe.microbatch import Batch
-from torchpipe.partition import (
-    BalanceError,
-    cut,
-    moving_denied,
-    names_a_device,
-    place,
-    resolve_devices,
-    verify_balance,
-    verify_module,
-)
-from torchpipe.runtime import Runner, Step
+from torchpipe.partition import BalanceError, cut, place, resolve_devices, verify_balance, verify_module
+from torchpipe.pipelined import Pipelined
+from torchpipe.runtime import Runner, Stages, Step
 from torchpipe.runtime.boundary import is_differentiable
 from torchpipe.runtime.function import Layout, PipelineFunction
+from torchpipe.runtime.step import ParamGrads
 from torchpipe.runtime.ties import find_ties, retie, shared_stages, untie_devices
 from torchpipe.schedule import gpipe
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
@@ -31,7 +23,7 @@ from torchpipe.types import Device, TensorOrTensors
 __all__ = ["GPipe", "BalanceError"]
 
 
-class GPipe(nn.Module):
+class GPipe(Pipelined):
     """Wraps an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
 
     The module is cut into partitions of consecutive layers (``balance[j]``
@@ -75,6 +67,8 @@ class GPipe(nn.Module):
     chunks: int
     checkpoint: str
     partitions: nn.ModuleList
+    _parts = "partitions"
+    _handle = "g"
 
     def __init__(
         self,
@@ -108,19 +102,13 @@ class GPipe(nn.Module):
         self.partitions = nn.ModuleList([place(stage, device) for stage, device in zip(cuts, resolved)])
         copies = retie(list(self.partitions), ties)
         stages = self._sequentials()
-        self._runner = Runner(
-            stages,
-            resolved,
-            lambda microbatches: gpipe(microbatches, len(stages)),
-            list(range(len(stages))),
-            resolved,
-            inspect_skip_layout(stages),
-            inline_backward=True,
-            noun="partition",
-            name=f"GPipe(balance={balance})",
+        placed = Stages(
+            stages, resolved, list(range(len(stages))), resolved, inspect_skip_layout(stages),
+            noun="partition", name=f"GPipe(balance={balance})",
         )
-        self._runner.share(shared_stages(stages, ties))
-        self._runner.tied_copies = [group for group in copies if len(group) > 1]
+        placed.share(shared_stages(stages, ties))
+        placed.tied_copies = [group for group in copies if len(group) > 1]
+        self._runner = Runner(placed, lambda microbatches: gpipe(microbatches, len(stages)), inline_backward=True)
 
     # --- container protocol over the original layers ---------------------------------------------
 
@@ -145,31 +133,12 @@ class GPipe(nn.Module):
         for partition in self._sequentials():
             yield from partition
 
-    # --- moving is GPipe's job -----------------------------------------------------------------
-
-    def cuda(self, device: Optional[Union[int, torch.device]] = None) -> "GPipe":
-        raise moving_denied("GPipe", "partitions", "g")
-
-    def cpu(self) -> "GPipe":
-        raise moving_denied("GPipe", "partitions", "g")
-
-    def to(self, *args: Any, **kwargs: Any) -> "GPipe":
-        if names_a_device(args, kwargs):
-            raise moving_denied("GPipe", "partitions", "g")
-        super().to(*args, **kwargs)
-        return self
-
     # --- gradients -------------------------------------------------------------------------------
 
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> Tensor:
-        """Clips the gradients as ``torch.nn.utils.clip_grad_norm_`` on the plain module would: a tied parameter
-        with copies on several devices counts once (its copies hold the same gradient)."""
-        params = list(self.parameters())
-        copies = {id(c) for group in self._runner.tied_copies for c in group[1:]}
-        counted = [p for p in params if id(p) not in copies]
-        return clip_grad_norm(params, counted, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+    def _counted(self, params: List[nn.Parameter]) -> List[nn.Parameter]:
+        # A tied parameter with copies on several devices counts once (its copies hold the same gradient).
+        copies = {id(c) for group in self._runner.stages.tied_copies for c in group[1:]}
+        return [p for p in params if id(p) not in copies]
 
     # --- state dicts -----------------------------------------------------------------------------
 
@@ -202,45 +171,35 @@ class GPipe(nn.Module):
         any device; it is moved to ``devices[0]``. The output has the structure
         the plain module returns and lives on ``devices[-1]``.
         """
-        microbatch.check_input(input)
         if not self.partitions:  # an empty Sequential is the identity, as in torchgpipe
+            microbatch.check_input(input)
             return input
-        input = transfer.move(input, self.devices[0])
-        tensors = (input,) if isinstance(input, Tensor) else tuple(input)
+        tensors, batches = microbatch.split_input(input, self.devices[0], self.chunks)
         grad_enabled = torch.is_grad_enabled()
-        batches = microbatch.scatter(input, self.chunks)
         stop = checkpoint_stop(self.checkpoint, len(batches), grad_enabled and self.training)
-        step = Step(
-            self._runner, batches, grad_enabled=grad_enabled, training=self.training, checkpoint_stop=stop,
-            watch_inputs=True,
+        step = self._runner.new_step(
+            batches, grad_enabled=grad_enabled, training=self.training, checkpoint_stop=stop, watch_inputs=True,
         )
-        try:
+        with self._batch_norm_statistics(self._sequentials()):
             results = self._runner.run_forward(step)
-            output = self._output(step, results, tensors)
-        except BaseException:
-            if self.deferred_batch_norm:
-                for partition in self.partitions:
-                    discard(partition)
-            raise
-        if self.deferred_batch_norm and self.training:
-            for partition in self.partitions:
-                commit(partition)
-        return output
+            return self._output(step, results, tensors)
 
     def _output(self, step: Step, results: List[Batch], tensors: Tuple[Tensor, ...]) -> TensorOrTensors:
         """Joins the micro-batches' outputs; with grad, ties them into the caller's graph."""
         flags = _output_flags(step, results)
         if not step.grad_enabled or not any(flags):
             return microbatch.gather(results)
-        step.stage_params = [[p for p in stage.parameters() if p.requires_grad] for stage in self._sequentials()]
-        views = [p.view_as(p) for params in step.stage_params for p in params]
+        step.param_grads = kept = ParamGrads(
+            [[p for p in stage.parameters() if p.requires_grad] for stage in self._sequentials()]
+        )
+        views = [p.view_as(p) for params in kept.params for p in params]
         positions = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
         inputs = [tensors[k] for k in positions]
         # The outputs require grad through something that is neither an input nor a parameter (a layer using a
         # global tensor that requires grad): an empty tensor that requires grad makes them require it too.
         phony = [] if inputs or views else [torch.empty(0, device=self.devices[0], requires_grad=True)]
         layout = Layout(len(phony), positions, len(views))
-        outputs = PipelineFunction.apply(step, results, flags, layout, *phony, *inputs, *views)  # type: ignore[no-untyped-call]
+        outputs = PipelineFunction.apply(self._runner, step, results, flags, layout, *phony, *inputs, *views)  # type: ignore[no-untyped-call]
         return cast(Tensor, outputs[0]) if results[0].atomic else tuple(outputs)
 
     def extra_repr(self) -> str:

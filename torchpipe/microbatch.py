@@ -1,7 +1,8 @@
 """Micro-batches: a mini-batch (a tensor or a tuple of tensors) cut along dim 0, and joined back."""
 import numbers
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
+import torch
 from torch import Tensor
 
 from torchpipe import transfer
@@ -87,6 +88,19 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
         if value.dim() == 0:
             raise ValueError("cannot split a 0-dimensional tensor into micro-batches; give it a batch dimension")
     return [Batch.of(part, atomic) for part in transfer.split(values, chunks, 0)]
+
+
+def split_input(input: object, device: torch.device, chunks: int) -> Tuple[Tuple[Tensor, ...], List[Batch]]:
+    """The prologue of every pipelined step: checks ``input``, moves it to the first stage's ``device`` and cuts
+    it into micro-batches; returns the moved input's tensors and the micro-batches.
+
+    Raises:
+        TypeError: ``input`` is not a tensor or a non-empty tuple of tensors.
+        ValueError: a tensor has no batch dimension.
+    """
+    check_input(input)
+    moved = transfer.move(cast(TensorOrTensors, input), device)
+    return ((moved,) if isinstance(moved, Tensor) else tuple(moved)), scatter(moved, chunks)
 
 
 def gather(batches: Sequence[Batch]) -> TensorOrTensors:

@@ -2,33 +2,33 @@
 import datetime
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchpipe import microbatch, trace
-from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
+from torchpipe.batchnorm import DeferredBatchNorm
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
-from torchpipe.clip import clip_grad_norm
+from torchpipe.clip import Exchange
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
 from torchpipe.distributed.state import gather_bytes, gather_state
-from torchpipe.distributed.step import run_step
+from torchpipe.distributed.step import distributed_step
 from torchpipe.partition import (
     cut,
-    moving_denied,
-    names_a_device,
     place,
     resolve_devices,
     verify_balance,
     verify_module,
 )
-from torchpipe.runtime import Runner, local, weight_grad
+from torchpipe.pipelined import Pipelined
+from torchpipe.runtime import Runner, Stages, local, weight_grad
+from torchpipe.runtime.step import Timings
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
-from torchpipe.runtime.tune import SplitTuner, Timings
+from torchpipe.runtime.tune import SplitTuner
 from torchpipe.schedule import Schedule, build
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
@@ -40,7 +40,7 @@ __all__ = ["Pipeline", "PipelineError"]
 
 
 
-class Pipeline(nn.Module):
+class Pipeline(Pipelined):
     """Trains an ``nn.Sequential`` pipelined over stages with any schedule: forward, loss and backward in one step.
 
     ``GPipe`` hands its output back and the user calls ``loss.backward()``, so
@@ -149,16 +149,16 @@ class Pipeline(nn.Module):
                 f"zero_bubble needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
                 "upgrade PyTorch or choose '1f1b'"
             )
-        plan, workers = resolve(schedule, chunks, len(balance), devices, ranks)
+        schedule_for, workers = resolve(schedule, chunks, len(balance), devices, ranks)
         #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble placement]).
         self._tuner: Optional[SplitTuner] = None
         if schedule == "zero_bubble":
             tuner = self._tuner = SplitTuner(len(balance))
             stages_count = len(balance)
 
-            def plan(microbatches: int) -> Schedule:
+            def schedule_for(microbatches: int) -> Schedule:
                 return build("zero_bubble", microbatches, stages_count, split=tuner.split)
-        stage_workers = list(plan(chunks).stage_workers)
+        stage_workers = list(schedule_for(chunks).stage_workers)
         self._channel: Optional[Channel] = None
         if group is None:
             worker_devices = resolve_devices(devices, workers)
@@ -177,11 +177,11 @@ class Pipeline(nn.Module):
                 raise ValueError(
                     f"the schedule has {workers} workers but the process group has {self._channel.size} ranks; "
                     f"a Pipeline across processes runs one worker per rank ({len(balance)} stages: "
-                    + ("a multiple, at least 2, of the ranks)" if plan(chunks).name == "interleaved_1f1b"
+                    + ("a multiple, at least 2, of the ranks)" if schedule_for(chunks).name == "interleaved_1f1b"
                        else "one per rank)")
                 )
             worker_devices = [device] * workers
-            local = set(plan(chunks).stages_of(self._channel.rank))
+            local = set(schedule_for(chunks).stages_of(self._channel.rank))
         stage_devices = [worker_devices[w] for w in stage_workers]
         if deferred_batch_norm:
             module = cast(nn.Sequential, DeferredBatchNorm.convert(module))
@@ -193,7 +193,7 @@ class Pipeline(nn.Module):
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.deferred_batch_norm = deferred_batch_norm
-        self.schedule_name = plan(chunks).name
+        self.schedule_name = schedule_for(chunks).name
         self._layer_index = {name: k for k, name in enumerate(module._modules)}
         # Each process builds and keeps only its own stages (on the meta device, see partition.place); layers
         # of several stages may share a parameter (see [Note: tied parameters]).
@@ -217,11 +217,12 @@ class Pipeline(nn.Module):
         self._stages = stages
         self._ties = ties
         self.data_parallel = None if on_mesh is None else on_mesh.mode
-        self._runner = Runner(
-            stages, stage_devices, plan, stage_workers, worker_devices, layout,
+        placed = Stages(
+            stages, stage_devices, stage_workers, worker_devices, layout,
             name=f"Pipeline(balance={balance}, schedule={self.schedule_name!r})",
         )
-        self._runner.share(shared_stages(stages, ties))
+        placed.share(shared_stages(stages, ties))
+        self._runner = Runner(placed, schedule_for)
         if self._channel is None:
             if any(len(group) > 1 for group in copies):
                 self._runner.hooks.append(TiedCopies(copies))
@@ -281,30 +282,22 @@ class Pipeline(nn.Module):
         tuner = self._tuner if training and self._tuner is not None and not self._tuner.decided else None
         timings: Optional[Timings] = {} if tuner is not None and tuner.measuring else None
         started = time.perf_counter()
-        try:
+        with self._batch_norm_statistics(self._local_stages()):
             if self._channel is not None:
-                loss, _ = run_step(
+                loss, _ = distributed_step(
                     self._runner, self._channel, self.devices, self.chunks, input, training=training,
                     module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
                     loss=(self.loss_fn, target, self.loss_reduction), timings=timings,
                 )
                 assert loss is not None
             else:
-                loss = local.run_step(
+                loss = local.local_step(
                     self._runner, input, target, chunks=self.chunks, loss_fn=self.loss_fn,
                     reduction=self.loss_reduction, training=training, module_training=self.training,
                     checkpoint_stop=self._checkpoint_stop(training), timings=timings,
                 )
-        except BaseException:
-            if self.deferred_batch_norm:
-                for stage in self._local_stages():
-                    discard(stage)
-            raise
-        if self.deferred_batch_norm and self.training:
-            for stage in self._local_stages():
-                commit(stage)
         if tuner is not None:  # see [Note: zero-bubble placement]
-            exchange = None if self._channel is None else self._channel.exchange
+            exchange = self._exchange()
             if timings is not None:
                 changed = tuner.record(timings, exchange, self.chunks)
             else:
@@ -330,49 +323,21 @@ class Pipeline(nn.Module):
         """
         if self._channel is not None:
             with torch.no_grad():
-                _, outputs = run_step(
+                _, outputs = distributed_step(
                     self._runner, self._channel, self.devices, self.chunks, input, training=False,
                     module_training=self.training, checkpoint_stop=self._checkpoint_stop(False), loss=None,
                 )
             return None if outputs is None else microbatch.gather(outputs)
-        return local.run_forward(self._runner, input, chunks=self.chunks, module_training=self.training)
+        return local.local_forward(self._runner, input, chunks=self.chunks, module_training=self.training)
 
     # --- moving and state -----------------------------------------------------------------------------
 
-    def cuda(self, device: Optional[Union[int, torch.device]] = None) -> "Pipeline":
-        raise moving_denied("Pipeline", "stages", "pipe")
-
-    def cpu(self) -> "Pipeline":
-        raise moving_denied("Pipeline", "stages", "pipe")
-
-    def to(self, *args: Any, **kwargs: Any) -> "Pipeline":
-        if names_a_device(args, kwargs):
-            raise moving_denied("Pipeline", "stages", "pipe")
-        super().to(*args, **kwargs)
-        return self
-
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> Tensor:
-        """Clips the whole model's gradients as ``torch.nn.utils.clip_grad_norm_`` on the plain module would.
-
-        The norm covers every stage on every rank (and, on a mesh, every
-        replica's shard), a tied parameter counted once; every rank scales its
-        gradients by the same factor and gets the same total norm. Across
-        processes every rank calls it (it is a collective).
-
-        Returns:
-            The total norm of the gradients, before clipping.
-        """
-        params = list(self.parameters())
-        counted = self._counted(params)
-        exchange = None if self._channel is None else self._channel.exchange
-        return clip_grad_norm(params, counted, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
-                              exchange=exchange)
+    def _exchange(self) -> Optional[Exchange]:
+        return None if self._channel is None else self._channel.exchange
 
     def _counted(self, params: List[nn.Parameter]) -> List[nn.Parameter]:
-        """This rank's parameters that make its share of the whole model's norm: a tied parameter on the first
-        holder's copy only, and replicated gradients on the first replica only."""
+        # This rank's share of the whole model's norm: a tied parameter on the first holder's copy only, and
+        # replicated gradients on the first replica only.
         channel = self._channel
         if channel is not None and channel.replicas > 1 and self.data_parallel == "replicate" and channel.replica:
             return []
@@ -400,7 +365,7 @@ class Pipeline(nn.Module):
         # A sharded tensor's whole value is gathered over the replicas (a collective: every replica holds the
         # same stages, so they gather the same keys in the same order).
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.state_dict().items()}
-        merged = gather_state(self._channel, state, self._runner.stage_workers[0])
+        merged = gather_state(self._channel, state, self._runner.stages.stage_workers[0])
         if self._channel.replica:
             return {}
         # Ranks hold stages out of order (interleaved schedules): put the keys in the module's layer order.
@@ -416,7 +381,7 @@ class Pipeline(nn.Module):
         """
         if self._channel is None:
             return timeline
-        first = self._runner.stage_workers[0]
+        first = self._runner.stages.stage_workers[0]
         parts = gather_bytes(self._channel, timeline.to_json().encode(), first)
         if self._channel.rank != first:
             return None

@@ -94,7 +94,7 @@ def zero_bubble_placement(rank: int, world: int) -> Dict[str, Any]:
             for s in range(world)]
     from torchpipe.runtime.boundary import takes_leaves
 
-    bare = [takes_leaves(stage) for stage in pipe._runner.stages if stage is not None]
+    bare = [takes_leaves(stage) for stage in pipe._runner.stages.modules if stage is not None]
     return {"problems": problems, "decided": pipe._tuner.decided, "split": split, "runs": runs, "bare": bare}
 
 

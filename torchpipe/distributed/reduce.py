@@ -36,8 +36,7 @@ from torch import Tensor, nn
 
 from torchpipe import trace
 from torchpipe.distributed.channel import POLL_SECONDS, Channel, PipelineError
-from torchpipe.runtime.driver import StageHooks
-from torchpipe.runtime.step import Step
+from torchpipe.runtime.step import StageHooks, Step
 
 __all__ = ["GradientReducer", "TiedGroup"]
 

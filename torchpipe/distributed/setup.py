@@ -25,7 +25,7 @@ def connect_stages(
     """Called by every rank, in the same order (it makes process groups): makes this rank's stages start as the
     first replica's and its tied copies as the first holder's, and installs the gradient reductions (see
     [Note: reductions])."""
-    stages: Dict[int, nn.Module] = {s: stage for s, stage in enumerate(runner.stages) if stage is not None}
+    stages: Dict[int, nn.Module] = {s: stage for s, stage in enumerate(runner.stages.modules) if stage is not None}
     replicas: Any = None
     if mesh is not None and mesh.replicas > 1:
         channel.collectives = True
@@ -35,8 +35,8 @@ def connect_stages(
     for k, (tie, held) in enumerate(zip(ties, copies)):
         holders: List[int] = []
         for s in tie.stages:
-            if runner.stage_workers[s] not in holders:
-                holders.append(runner.stage_workers[s])  # the first holder's rank first
+            if runner.stages.stage_workers[s] not in holders:
+                holders.append(runner.stages.stage_workers[s])  # the first holder's rank first
         if len(holders) < 2:
             continue
         channel.collectives = True  # on every rank, whether it holds the tie or not

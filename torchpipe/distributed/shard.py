@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 from torchpipe import trace
-from torchpipe.runtime.driver import StageHooks
-from torchpipe.runtime.step import Step
+from torchpipe.runtime.step import StageHooks, Step
 
 __all__ = ["shard_stages", "ShardedStages", "supported"]
 

@@ -9,24 +9,24 @@ action fails, its rank records the failure (rank, action, error) and raises the
 original exception; every other rank raises :class:`PipelineError` with that
 record.
 """
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
 
-from torchpipe import microbatch, transfer
+from torchpipe import microbatch
 from torchpipe.distributed import wire
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.transport import DistributedTransport
 from torchpipe.microbatch import Batch
-from torchpipe.runtime import Runner, Step
+from torchpipe.runtime import Runner
 from torchpipe.runtime.driver import Progress, abort, begin, drive, end
 from torchpipe.runtime.loss import Loss, loss_weights, split_target
+from torchpipe.runtime.step import Timings
 from torchpipe.runtime.transport import Aborted
-from torchpipe.runtime.tune import Timings
 from torchpipe.types import TensorOrTensors
 
-__all__ = ["run_step"]
+__all__ = ["distributed_step"]
 
 
 def _error_text(error: BaseException) -> str:
@@ -40,7 +40,7 @@ def _describe(training: bool) -> str:
     return "a training step (forward and backward)" if training else "a step without backward (no_grad or eval)"
 
 
-def run_step(
+def distributed_step(
     runner: Runner,
     channel: Channel,
     devices: Sequence[torch.device],
@@ -73,27 +73,31 @@ def run_step(
     """
     sequence = channel.next_sequence()
     rank = channel.rank
-    last = runner.stage_workers[-1]
+    last = runner.stages.stage_workers[-1]
     step_loss: Optional[Loss] = None
     making_transport = False
     try:
         split, inputs, shapes = _start(runner, channel, sequence, devices, chunks, input, training)
         # The start is known everywhere: the other ranks are in the step, in the mode its first stage's rank
         # runs, waiting for this one's messages (see _failed_before_actions).
-        _check_modes(channel, sequence, runner.stage_workers[0], shapes, training)
+        _check_modes(channel, sequence, runner.stages.stage_workers[0], shapes, training)
         counts = [int(n) for n in shapes[channel.replica][2:]]
         batches: List[Optional[Batch]] = list(split) if split is not None else [None] * len(counts)
         if loss is not None:
             total = sum(int(n) for values in shapes.values() for n in values[2:])
             step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
-        step = Step(
-            runner, batches, grad_enabled=training, training=module_training,
+        runner.plan(len(batches), checkpoint_stop(len(batches)))  # a schedule that fails, fails before the transport
+        making_transport = True  # the step's transport is made with it (see _failed_before_actions)
+        step = runner.new_step(
+            batches, grad_enabled=training, training=module_training,
             checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
+            transport=lambda made: DistributedTransport(
+                channel, sequence, made.schedule if training else made.forward, made.sends, devices
+            ),
         )
         step.timings = timings
         plan = step.plan.schedule if training else step.plan.forward
-        making_transport = True
-        step.transport = transport = DistributedTransport(channel, sequence, plan, step.plan.sends, devices)
+        transport = cast(DistributedTransport, step.transport)
     except BaseException as exc:
         _failed_before_actions(runner, channel, sequence, devices, checkpoint_stop, exc, making_transport)
         raise
@@ -103,7 +107,7 @@ def run_step(
     read = False
     try:
         if loss is not None and step_loss is not None and rank == last:
-            step.loss = step_loss = step_loss._replace(targets=split_target(loss[1], devices[-1], counts))
+            step_loss.targets = split_target(loss[1], devices[-1], counts)
         if channel.collectives_without_grad or (channel.collectives and training and step_loss is not None):
             # The stage hooks start collectives between ranks (replicas, tied copies): every rank must run the
             # step to its end, or none (see [Note: stage lifecycle]).
@@ -114,7 +118,7 @@ def run_step(
         transport.finish()
         end(step)
         if rank == last and step_loss is not None:
-            weighted = step.weighted_losses()
+            weighted = step_loss.weighted()
             value = float(sum(float(v) for v in weighted))
             dtype = next((v.dtype for v in weighted), torch.float32)
             mine = [value, float(wire.DTYPES.index(dtype))]
@@ -206,7 +210,7 @@ def _start(
     input tensors; every replica's published start (its number of micro-batches, whether it trains, and each
     micro-batch's size), by replica (this one's only, with a single replica)."""
     rank = channel.rank
-    first = runner.stage_workers[0]
+    first = runner.stages.stage_workers[0]
     inputs: Tuple[Tensor, ...] = ()
     split: Optional[List[Batch]] = None
     mine: List[float] = []
@@ -214,10 +218,7 @@ def _start(
         try:
             if input is None:
                 raise ValueError(f"rank {channel.who} runs the first stage: it must pass the mini-batch's input")
-            microbatch.check_input(input)
-            input = transfer.move(input, devices[0])
-            inputs = (input,) if isinstance(input, Tensor) else tuple(input)
-            split = list(microbatch.scatter(input, chunks))
+            inputs, split = microbatch.split_input(input, devices[0], chunks)
         except BaseException as exc:
             channel.fail(sequence, f"rank {channel.who} could not split its input: {_error_text(exc)}")
             raise

@@ -22,7 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-__all__ = ["Boundary", "is_differentiable", "make_leaves", "alias", "takes_leaves", "own_gradients", "own_version"]
+__all__ = [
+    "Boundary", "is_differentiable", "make_leaves", "copy_leaf", "alias", "takes_leaves", "own_gradients", "own_version"
+]
 
 
 class Boundary(torch.autograd.Function):
@@ -53,6 +55,12 @@ def make_leaves(tensors: Sequence[Tensor], requires_grad: Sequence[bool]) -> Tup
     return tuple(
         t.detach().requires_grad_(flag and is_differentiable(t)) for t, flag in zip(tensors, requires_grad)
     )
+
+
+def copy_leaf(leaf: Tensor) -> Tensor:
+    """A copy of ``leaf`` in memory of its own, a leaf requiring grad as ``leaf`` does: what a recomputation
+    starts from, whatever a layer then does to the original in place."""
+    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
 
 
 def own_version(tensor: Tensor) -> Tensor:
@@ -102,8 +110,8 @@ def takes_leaves(stage: Optional[torch.nn.Module]) -> bool:
     norm), with no hooks that could see the input (on the stage, on that layer,
     or global), hands the input to that layer alone: nothing can change it in
     place, and the alias would only cost its autograd function, forward and
-    backward (about 30 us a micro-batch and stage in a one-process step of a
-    tiny model, 15% of it). Anything else (a subclass, a wrapped stage such as
+    backward, for every micro-batch and stage (a share of a tiny model's step:
+    benchmarks/README.md has the figures). Anything else (a subclass, a wrapped stage such as
     FSDP2's, a hook) keeps the alias.
     """
     if type(stage) is not nn.Sequential or len(stage) == 0 or _hooked(stage):

@@ -5,7 +5,7 @@ all derived from the schedule, never guessed: the step starts (before any
 action, on every worker and rank), its last backward of the step is done
 (right after the action the plan names, on the worker that ran it: the last
 ``B``, or the last ``W`` of a split backward), and the step ended (after
-every action, before the step returns). Stage hooks (:class:`StageHooks`)
+every action, before the step returns). Stage hooks (:class:`~torchpipe.runtime.step.StageHooks`)
 hang on these: data parallelism starts a stage's gradient reduction after its
 last backward, while the backward of other stages still runs, and waits for
 it at the end; tied parameters sum their copies' gradients there. A failed
@@ -21,42 +21,14 @@ executor runs each worker's list on its thread with :func:`drive`; across
 processes a rank runs its own list with :func:`drive` on the calling thread.
 """
 import contextlib
-from typing import TYPE_CHECKING, Generator, Optional, Sequence
+from typing import Generator, Optional, Sequence
 
-from torchpipe.runtime import stage
+from torchpipe.runtime import actions as act
+from torchpipe.runtime.step import Step
 from torchpipe.runtime.transport import Aborted
 from torchpipe.schedule import Action
 
-if TYPE_CHECKING:
-    from torchpipe.runtime.step import Step
-
-__all__ = ["StageHooks", "Progress", "drive", "lifecycle", "begin", "end", "abort"]
-
-
-class StageHooks:
-    """What runs at the points of a training step's lifecycle (see [Note: stage lifecycle]); each method is a
-    no-op here, so a hook overrides only what it needs.
-
-    ``before_step`` and ``after_step`` run on the thread that drives the step;
-    ``after_last_backward`` on the worker that ran the stage's last backward
-    (in one process, several workers may call it at once, for their own stages).
-    """
-
-    #: Whether the hook runs for steps without backward too (forward-only, or under ``no_grad``); else only
-    #: for training steps.
-    without_grad = False
-
-    def before_step(self, step: "Step") -> None:
-        """The step starts: no action of it has run."""
-
-    def after_last_backward(self, step: "Step", stage: int) -> None:
-        """``stage``'s last backward of the step is done: its parameters' gradients of the step are complete."""
-
-    def after_step(self, step: "Step") -> None:
-        """Every action of the step ran, on every worker of this process: finish what the hook started."""
-
-    def abort(self, step: "Step") -> None:
-        """The step failed (here or elsewhere): leave nothing half done. Must not raise."""
+__all__ = ["Progress", "drive", "lifecycle", "begin", "end", "abort"]
 
 
 class Progress:
@@ -68,7 +40,7 @@ class Progress:
         self.current: Optional[Action] = None
 
 
-def drive(step: "Step", actions: Sequence[Action], progress: Optional[Progress] = None) -> None:
+def drive(step: Step, actions: Sequence[Action], progress: Optional[Progress] = None) -> None:
     """Runs ``actions`` of ``step`` in order on the calling thread, calling the stage hooks after each stage's
     last backward.
 
@@ -85,7 +57,7 @@ def drive(step: "Step", actions: Sequence[Action], progress: Optional[Progress] 
                 raise Aborted(f"stopped before {action}: another action of the step failed")
             if progress is not None:
                 progress.current = action
-            stage.run(step, action)
+            act.run(step, action)
             if action in lasts:
                 for hook in step.hooks:
                     hook.after_last_backward(step, action.stage)
@@ -96,19 +68,19 @@ def drive(step: "Step", actions: Sequence[Action], progress: Optional[Progress] 
         raise
 
 
-def begin(step: "Step") -> None:
+def begin(step: Step) -> None:
     """The step starts: every hook's ``before_step``."""
     for hook in step.hooks:
         hook.before_step(step)
 
 
-def end(step: "Step") -> None:
+def end(step: Step) -> None:
     """The step's actions all ran: every hook's ``after_step``."""
     for hook in step.hooks:
         hook.after_step(step)
 
 
-def abort(step: "Step") -> None:
+def abort(step: Step) -> None:
     """The step failed: every hook's ``abort``, also a hook whose ``before_step`` did not run (it must still do
     what its peers expect of it in this step), and also after another hook's ``abort`` raised (then the first
     such error is raised at the end)."""
@@ -123,7 +95,7 @@ def abort(step: "Step") -> None:
 
 
 @contextlib.contextmanager
-def lifecycle(step: "Step") -> Generator[None, None, None]:
+def lifecycle(step: Step) -> Generator[None, None, None]:
     """:func:`begin` on entry, :func:`end` when the block ends well, :func:`abort` when anything raises (then
     re-raises). Across processes the step records its failure in the store first, so it calls them itself."""
     if not step.hooks:

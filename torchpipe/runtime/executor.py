@@ -31,17 +31,17 @@ def execute(step: Step, schedule: Schedule, inline: Sequence[Action] = ()) -> No
             traceback), after every worker has stopped; or what interrupted
             the caller's wait (``KeyboardInterrupt``), likewise.
     """
-    inline_workers = {step.runner.stage_workers[a.stage] for a in inline}
+    inline_workers = {step.stages.stage_workers[a.stage] for a in inline}
     futures: List[Future[None]] = []
     failures: List[BaseException] = []
     try:
         pending = [(w, actions) for w, actions in enumerate(schedule.workers) if actions and w not in inline_workers]
         if pending:
-            workers = step.runner.workers()
+            workers = step.stages.workers()
             threads = [workers[w].thread for w, _ in pending]
             # Said before the tasks are handed over: a worker's wait that would close a circle through this
             # thread then fails, not this one (see [Note: waits]).
-            with waits.waiting(f"the workers of {step.runner.label}", threads):
+            with waits.waiting(f"the workers of {step.stages.label}", threads):
                 for w, actions in pending:
                     futures.append(workers[w].submit(functools.partial(drive, step, actions)))
                 _drive_inline(step, inline, failures)

@@ -7,6 +7,7 @@ from torch import Tensor
 from torchpipe import microbatch
 from torchpipe.microbatch import Batch
 from torchpipe.runtime.lease import can_wait, process_lease
+from torchpipe.runtime.runner import Runner
 from torchpipe.runtime.step import Step
 from torchpipe.runtime.ties import need_all_copies, sum_copies
 
@@ -76,10 +77,12 @@ class PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, step: Step, results: List[Batch], flags: Tuple[bool, ...], layout: Layout, *inputs: Tensor
+        ctx: Any, runner: Runner, step: Step, results: List[Batch], flags: Tuple[bool, ...], layout: Layout,
+        *inputs: Tensor,
     ) -> Tuple[Tensor, ...]:
         joined = microbatch.gather(results)
         outputs = (joined,) if isinstance(joined, Tensor) else tuple(joined)
+        ctx.runner = runner
         ctx.step = step
         ctx.layout = layout
         ctx.output_sizes = [[t.size(0) if t.dim() > 0 else None for t in r.values] for r in results]
@@ -98,35 +101,37 @@ class PipelineFunction(torch.autograd.Function):
                 "higher-order gradients) needs the graph of the backward itself, which GPipe's per-micro-batch "
                 "backward does not build; compute it on the plain module"
             )
-        if step is None or step.backward_done:
+        kept = step.param_grads if step is not None else None
+        if step is None or kept is None or kept.done:
             raise RuntimeError(
                 "GPipe's backward ran twice for one forward; run the forward again "
                 "(retain_graph=True is not supported through a GPipe)"
             )
-        step.backward_done = True
+        kept.done = True
+        runner: Runner = ctx.runner
         layout: Layout = ctx.layout
         # [Note: joined graphs] A tensor a layer kept by hand under current_microbatch() (the user guide's skip
         # dict) joins a later stage's graph to an earlier one's: a backward on one worker then reaches another
         # stage's parameters, which must not be set aside meanwhile (see [Note: parameter gradients]). Then
         # every backward accumulates into .grad directly, as torchgpipe does, and no gradient is returned
         # for the parameters (torch.autograd.grad with respect to them then finds none).
-        step.direct = any(key is not None and key.observed for key in step.keys)
+        kept.direct = any(key is not None and key.observed for key in step.keys)
         # Which parameters the running backward needs (none for torch.autograd.grad(output, input)): the
         # engine knows whether it will run the view of each parameter this function took as input.
         edges = ctx.next_functions[layout.phony + len(layout.positions) :]
         wanted = [_will_run(edge[0]) for edge in edges]
-        if any(wanted) and not step.direct:
+        if any(wanted) and not kept.direct:
             # Setting the gradients aside is one backward pass's at a time (see [Note: gradient lease]): wait
             # for another thread's pass where this thread may, else accumulate into .grad directly.
-            step.direct = not process_lease().take(may_wait=can_wait(grad_outputs), who=step.runner.label)
-        needed = iter([wants and not step.direct for wants in wanted])
-        step.needed = [[needs for _, needs in zip(stage, needed)] for stage in step.stage_params]
-        copies = step.runner.tied_copies
+            kept.direct = not process_lease().take(may_wait=can_wait(grad_outputs), who=step.stages.label)
+        needed = iter([wants and not kept.direct for wants in wanted])
+        kept.needed = [[needs for _, needs in zip(stage, needed)] for stage in kept.params]
+        copies = step.stages.tied_copies
         if copies:
-            need_all_copies(copies, step.stage_params, step.needed)
-        step.param_grads = [[None] * len(stage) for stage in step.stage_params]
+            need_all_copies(copies, kept.params, kept.needed)
+        kept.sums = [[None] * len(stage) for stage in kept.params]
         per_microbatch = split_grads(grad_outputs, ctx.output_sizes)
-        input_grads = step.runner.run_backward(step, per_microbatch)
+        input_grads = runner.run_backward(step, per_microbatch)
 
         joined: List[Optional[Tensor]] = []
         for k, (shape, dtype, device) in zip(layout.positions, ctx.input_meta):
@@ -140,7 +145,7 @@ class PipelineFunction(torch.autograd.Function):
             ]
             joined.append(torch.cat(filled) if len(filled) > 1 else filled[0])
         if copies:
-            sum_copies(copies, step.stage_params, step.param_grads)  # see [Note: tied parameters]
-        param_grads = [g for sums in step.param_grads for g in sums]
-        step.param_grads = None
-        return (None, None, None, None, *([None] * layout.phony), *joined, *param_grads)
+            sum_copies(copies, kept.params, kept.sums)  # see [Note: tied parameters]
+        param_grads = [g for sums in kept.sums for g in sums]
+        kept.sums = None
+        return (None, None, None, None, None, *([None] * layout.phony), *joined, *param_grads)

@@ -4,17 +4,16 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from torchpipe import microbatch, transfer
+from torchpipe import microbatch
 from torchpipe.runtime.loss import Loss, loss_weights, split_target
 from torchpipe.runtime.runner import Runner
-from torchpipe.runtime.step import Step
-from torchpipe.runtime.tune import Timings
+from torchpipe.runtime.step import Timings
 from torchpipe.types import TensorOrTensors
 
-__all__ = ["run_step", "run_forward"]
+__all__ = ["local_step", "local_forward"]
 
 
-def run_step(
+def local_step(
     runner: Runner,
     input: Optional[TensorOrTensors],
     target: Optional[TensorOrTensors],
@@ -31,34 +30,31 @@ def run_step(
     ``timings``: measure each action into it (see [Note: zero-bubble placement])."""
     if input is None:
         raise ValueError("step() needs the mini-batch's input (a tensor or a tuple of tensors)")
-    microbatch.check_input(input)
-    input = transfer.move(input, runner.devices[0])
-    batches = microbatch.scatter(input, chunks)
+    stages = runner.stages
+    inputs, batches = microbatch.split_input(input, stages.devices[0], chunks)
     sizes = [b.values[0].size(0) for b in batches]
-    loss = Loss(loss_fn, split_target(target, runner.devices[-1], sizes), loss_weights(sizes, reduction))
-    step = Step(
-        runner, batches, grad_enabled=training, training=module_training,
-        checkpoint_stop=checkpoint_stop(len(batches)), loss=loss,
+    loss = Loss(loss_fn, split_target(target, stages.devices[-1], sizes), loss_weights(sizes, reduction))
+    step = runner.new_step(
+        batches, grad_enabled=training, training=module_training, checkpoint_stop=checkpoint_stop(len(batches)),
+        loss=loss,
     )
     step.timings = timings
     if training:
         runner.run(step)
-        step.backward_input((input,) if isinstance(input, Tensor) else tuple(input))
+        step.backward_input(inputs)
     else:
         runner.run_forward(step)
-    losses = step.weighted_losses()
+    losses = loss.weighted()
     return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
 
 
-def run_forward(
+def local_forward(
     runner: Runner, input: Optional[TensorOrTensors], *, chunks: int, module_training: bool
 ) -> TensorOrTensors:
     """Runs the forward alone, without grad; returns the module's output on the last stage's device."""
     if input is None:
         raise ValueError("a Pipeline's forward needs the input")
-    microbatch.check_input(input)
-    input = transfer.move(input, runner.devices[0])
-    batches = microbatch.scatter(input, chunks)
+    _, batches = microbatch.split_input(input, runner.stages.devices[0], chunks)
     with torch.no_grad():
-        step = Step(runner, batches, grad_enabled=False, training=module_training, checkpoint_stop=0)
+        step = runner.new_step(batches, grad_enabled=False, training=module_training, checkpoint_stop=0)
         return microbatch.gather(runner.run_forward(step))

@@ -4,7 +4,7 @@ Written once for both transports: in one process the step's caller splits the
 target; across processes the last stage's rank does, from the micro-batch
 sizes the first stage's rank published.
 """
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -15,14 +15,33 @@ from torchpipe.types import TensorOrTensors
 __all__ = ["Loss", "split_target", "loss_weights"]
 
 
-class Loss(NamedTuple):
-    """How the last stage turns a micro-batch's output into its share of the loss (a ``Pipeline`` step)."""
+class Loss:
+    """How the last stage turns a micro-batch's output into its share of a ``Pipeline`` step's loss, and the
+    micro-batches' losses as they are computed."""
 
-    #: ``loss_fn(output, target)``, or None when the module's output is the loss.
-    fn: Optional[Callable[..., Tensor]]
-    #: Per micro-batch: its target (None when there is none) and its weight in the total.
-    targets: List[Any]
-    weights: List[float]
+    __slots__ = ("fn", "targets", "weights", "values")
+
+    def __init__(self, fn: Optional[Callable[..., Tensor]], targets: List[Any], weights: List[float]) -> None:
+        #: ``loss_fn(output, target)``, or None when the module's output is the loss.
+        self.fn = fn
+        #: Per micro-batch: its target (None when there is none; across processes, until the last stage's rank
+        #: has split its target) and its weight in the total.
+        self.targets = targets
+        self.weights = weights
+        #: Per micro-batch: its loss, unweighted and without graph, once the last stage computed it.
+        self.values: List[Optional[Tensor]] = [None] * len(weights)
+
+    def weighted(self) -> List[Tensor]:
+        """The loss of each micro-batch computed, times its weight (see [Note: loss weights]): 0-dim tensors
+        without graph, whose sum is the step's loss. Weighted once the step's actions are over: a micro-batch's
+        multiplication and reshape sat between its forward and its backward, on the last stage where every
+        micro-batch waits for them."""
+        weighted = []
+        for value, weight in zip(self.values, self.weights):
+            if value is not None:
+                product = value * weight
+                weighted.append(product.reshape(()) if product.dim() else product)
+        return weighted
 
 
 def split_target(target: Optional[TensorOrTensors], device: torch.device, sizes: Sequence[int]) -> List[Any]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor
 
-from torchpipe.runtime.boundary import alias, is_differentiable, make_leaves
+from torchpipe.runtime.boundary import alias, copy_leaf, is_differentiable, make_leaves
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
 from torchpipe.skip.namespace import Namespace
 
@@ -56,7 +56,7 @@ class StageSkips:
         step, s, i = self.step, self.stage, self.microbatch
         if (ns, name) in self.stashed:
             raise RuntimeError(f"{_label(layer)} stashed {name!r} ({ns}) twice in one forward of micro-batch {i}")
-        route = step.runner.skip_layout.route(ns, name)
+        route = step.stages.skip_layout.route(ns, name)
         key = (i, ns, name)
         if route.pop == s:
             self.stashed[(ns, name)] = None
@@ -79,7 +79,7 @@ class StageSkips:
         if (ns, name) in self.popped:
             raise RuntimeError(f"{_label(layer)} popped {name!r} ({ns}) twice in one forward of micro-batch {i}")
         self.popped.add((ns, name))
-        route = step.runner.skip_layout.route(ns, name)
+        route = step.stages.skip_layout.route(ns, name)
         key = (i, ns, name)
         if route.stash == s:
             try:
@@ -103,7 +103,7 @@ class StageSkips:
             leaf = None if tensor is None else make_leaves([tensor], [needs_grad])[0]
             if step.grad_enabled:
                 # What the recomputation pops: a copy, if this forward is checkpointed and may change it in place.
-                step.skips.popped[key] = leaf if leaf is None or not self.checkpointing else _copy(leaf)
+                step.skips.popped[key] = leaf if leaf is None or not self.checkpointing else copy_leaf(leaf)
         if leaf is not None and torch.is_grad_enabled() and leaf.requires_grad:
             return alias((leaf,))[0]
         return leaf
@@ -114,14 +114,10 @@ class StageSkips:
         return self.stashed.get((ns, name)) or Message([], (), True)
 
 
-def _copy(leaf: Tensor) -> Tensor:
-    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
-
-
 def received_skips(step: "Step", stage: int, microbatch: int) -> List[Optional[Tensor]]:
     """The leaves of the skips ``stage`` popped from earlier stages in ``microbatch``, in the layout's order
     (None: not received)."""
-    names = step.runner.skip_layout.pops_from_before[stage]
+    names = step.stages.skip_layout.pops_from_before[stage]
     return [step.skips.popped.pop((microbatch, ns, name), None) for ns, name in names]
 
 
@@ -130,8 +126,8 @@ def stashed_roots(step: "Step", stage: int, microbatch: int) -> Tuple[List[Tenso
     gradients (received from the popping stages, whose backward ran before)."""
     roots: List[Tensor] = []
     grads: List[Tensor] = []
-    for ns, name in step.runner.skip_layout.stashes_for_later[stage]:
-        pop = step.runner.skip_layout.route(ns, name).pop
+    for ns, name in step.stages.skip_layout.stashes_for_later[stage]:
+        pop = step.stages.skip_layout.route(ns, name).pop
         grad = step.transport.recv(Edge(EdgeKind.SKIP_GRADIENT, microbatch, pop, stage, (ns, name))).tensors[0]
         stashed = step.skips.stashed.pop((microbatch, ns, name), None)
         if stashed is not None and grad is not None and stashed.requires_grad:

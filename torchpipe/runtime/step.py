@@ -1,4 +1,10 @@
-"""One mini-batch in the pipeline: its plan, and the state its actions share while it runs."""
+"""One mini-batch in the pipeline: its plan, the state its actions share while it runs, and the stage hooks.
+
+A step knows the pipeline's :class:`~torchpipe.runtime.stages.Stages` and the
+transport it is given, and nothing of the runner that made it; what only one
+product needs hangs on it as a record of its own: GPipe's parameter gradients
+(:class:`ParamGrads`), a Pipeline's loss (:class:`~torchpipe.runtime.loss.Loss`).
+"""
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -9,20 +15,21 @@ from torchpipe.microbatch import Batch
 from torchpipe.rng import may_draw, step_seed, task_seed
 from torchpipe.runtime.boundary import takes_leaves
 from torchpipe.runtime.loss import Loss
-from torchpipe.runtime.transport import Edge, LocalTransport, Transport, sends
+from torchpipe.runtime.stages import Stages
+from torchpipe.runtime.transport import Edge, Transport, sends
 from torchpipe.schedule import Action, Kind, Schedule
 from torchpipe.skip.layout import SkipLayout
 from torchpipe.skip.registry import SkipRegistry
-from torchpipe.stream import current_stream
+from torchpipe.stream import AbstractStream
 from torchpipe.worker import ThreadContext
 
 if TYPE_CHECKING:
-    from torchpipe.runtime.driver import StageHooks
-    from torchpipe.runtime.runner import Runner
-    from torchpipe.runtime.tune import Timings
     from torchpipe.runtime.weight_grad import WeightGradient
 
-__all__ = ["Plan", "Step", "StageState"]
+__all__ = ["Plan", "Step", "StageState", "StageHooks", "ParamGrads", "Timings", "Loss"]
+
+#: Each action's measured duration, by (stage, kind) (see [Note: zero-bubble placement]).
+Timings = Dict[Tuple[int, Kind], List[float]]
 
 
 class Plan(NamedTuple):
@@ -79,18 +86,75 @@ class StageState:
         self.weight: Optional[WeightGradient] = None
 
 
+class StageHooks:
+    """What runs at the points of a training step's lifecycle (see [Note: stage lifecycle] in
+    :mod:`torchpipe.runtime.driver`); each method is a no-op here, so a hook overrides only what it needs.
+
+    ``before_step`` and ``after_step`` run on the thread that drives the step;
+    ``after_last_backward`` on the worker that ran the stage's last backward
+    (in one process, several workers may call it at once, for their own stages).
+    """
+
+    #: Whether the hook runs for steps without backward too (forward-only, or under ``no_grad``); else only
+    #: for training steps.
+    without_grad = False
+
+    def before_step(self, step: "Step") -> None:
+        """The step starts: no action of it has run."""
+
+    def after_last_backward(self, step: "Step", stage: int) -> None:
+        """``stage``'s last backward of the step is done: its parameters' gradients of the step are complete."""
+
+    def after_step(self, step: "Step") -> None:
+        """Every action of the step ran, on every worker of this process: finish what the hook started."""
+
+    def abort(self, step: "Step") -> None:
+        """The step failed (here or elsewhere): leave nothing half done. Must not raise."""
+
+
+class ParamGrads:
+    """GPipe's backward: the parameters whose gradients it sets aside and returns to the caller's autograd engine
+    as sums over micro-batches (see [Note: parameter gradients]), and what its backward decided."""
+
+    __slots__ = ("params", "needed", "sums", "direct", "done")
+
+    def __init__(self, params: List[List[Tensor]]) -> None:
+        #: Per stage: its parameters that require grad (inputs of the autograd function, in order).
+        self.params = params
+        #: Per stage: which of its parameters' gradients the caller's backward needs (set as the backward starts).
+        self.needed: Optional[List[List[bool]]] = None
+        #: Per stage: its parameters' gradient sums over the micro-batches so far.
+        self.sums: Optional[List[List[Optional[Tensor]]]] = None
+        #: Gradients accumulate into .grad directly: [Note: joined graphs], [Note: gradient lease].
+        self.direct = False
+        #: The backward ran (once per forward).
+        self.done = False
+
+    def accumulate(self, stage: int, sums: Sequence[Optional[Tensor]]) -> None:
+        """Keeps the gradient sums of ``stage``'s parameters after one more micro-batch, where the caller's
+        backward needs them (see :func:`~torchpipe.runtime.boundary.own_gradients`)."""
+        assert self.sums is not None and self.needed is not None
+        self.sums[stage] = [total if needed else None for total, needed in zip(sums, self.needed[stage])]
+
+
 class Step:
     """One mini-batch in the pipeline: its plan and the state its actions share.
 
-    A step holds its :class:`Runner` (and so its workers: see [Note: worker
-    lifetime]); GPipe's autograd function holds the step until its backward.
+    A step holds its :class:`~torchpipe.runtime.stages.Stages` (and so their
+    workers: see [Note: worker lifetime]); GPipe's autograd function holds the
+    step until its backward. :meth:`Runner.new_step
+    <torchpipe.runtime.runner.Runner.new_step>` makes one.
     """
 
     def __init__(
         self,
-        runner: "Runner",
+        stages: Stages,
+        plan: "Plan",
+        transport: Transport,
+        streams: List[AbstractStream],
         batches: Sequence[Optional[Batch]],
         *,
+        hooks: Sequence[StageHooks],
         grad_enabled: bool,
         training: bool,
         checkpoint_stop: int,
@@ -98,7 +162,11 @@ class Step:
         watch_inputs: bool = False,
         sequence: Optional[int] = None,
     ) -> None:
-        self.runner = runner
+        self.stages = stages
+        self.plan = plan
+        self.transport = transport
+        #: The stream each stage's actions run on (the caller's current one on its device).
+        self.streams = streams
         #: When measuring (see [Note: zero-bubble placement]): each action's duration, by (stage, kind).
         self.timings: Optional[Timings] = None
         #: The step's number across processes (the same on every rank); None in one process.
@@ -109,68 +177,44 @@ class Step:
         self.grad_enabled = grad_enabled
         self.training = training
         self.checkpoint_stop = checkpoint_stop
+        #: A Pipeline step's loss: how each micro-batch's is computed, and the values (None: GPipe, forward).
         self.loss = loss
         #: Whether the caller may change the input between the forward and backward phases (GPipe): then a
         #: checkpointed micro-batch checks, before its recomputation, that its input was not modified.
         self.watch_inputs = watch_inputs
+        modules = stages.modules
         #: Per stage: whether it may draw random numbers (see [Note: random streams]) and whether it has
         #: parameters a backward would differentiate.
-        self.draws = [stage is not None and may_draw(stage) for stage in runner.stages]
+        self.draws = [stage is not None and may_draw(stage) for stage in modules]
         self.trainable = [
             grad_enabled and stage is not None and any(p.requires_grad for p in stage.parameters())
-            for stage in runner.stages
+            for stage in modules
         ]
         #: Per stage: whether its forward takes its input leaves as they are, without an alias (see takes_leaves).
-        self.bare_leaves = [takes_leaves(stage) for stage in runner.stages]
+        self.bare_leaves = [takes_leaves(stage) for stage in modules]
         self.seed = step_seed() if any(self.draws) else None
         self.context = ThreadContext.capture()
-        self.plan = runner.plan(self.microbatches, checkpoint_stop)
         #: The stage hooks of the step (see [Note: stage lifecycle]): all of a Pipeline's training step, those
         #: that run without grad (``StageHooks.without_grad``) for other steps.
-        trains = grad_enabled and loss is not None
-        self.hooks: Sequence[StageHooks] = [h for h in runner.hooks if trains or h.without_grad]
+        self.hooks = hooks
         self.keys: List[Optional[MicroBatch]] = [MicroBatch(i) for i in range(self.microbatches)]
-        self.streams = [current_stream(d) for d in runner.devices]
-        self.transport: Transport = LocalTransport(runner, self.streams)
         self.states: Dict[Tuple[int, int], StageState] = {}
         self.skips = SkipRegistry()
         #: The last stage's output per micro-batch (GPipe, and forward-only steps).
         self.results: List[Optional[Batch]] = [None] * self.microbatches
         #: Per micro-batch: whether each output tensor requires grad (as recorded by the last stage).
         self.output_flags: List[Optional[Tuple[bool, ...]]] = [None] * self.microbatches
-        #: The loss of each micro-batch, without graph (a Pipeline step): see :meth:`weighted_losses`.
-        self.losses: List[Optional[Tensor]] = [None] * self.microbatches
-        #: GPipe's backward: the gradients of stage 0's inputs, per micro-batch.
+        #: The backward: the gradients of stage 0's inputs, per micro-batch.
         self.input_grads: List[Optional[List[Optional[Tensor]]]] = [None] * self.microbatches
-        #: GPipe: per stage, its parameters that require grad (inputs of the autograd function, in order).
-        self.stage_params: List[List[Tensor]] = [[] for _ in runner.stages]
-        #: GPipe's backward: per stage, which of its parameters' gradients the caller's backward needs, and
-        #: their sums over micro-batches. None: a Pipeline step, whose backward accumulates into .grad.
-        self.needed: Optional[List[List[bool]]] = None
-        self.param_grads: Optional[List[List[Optional[Tensor]]]] = None
-        #: GPipe's backward when a layer kept a tensor by hand under current_microbatch(): graphs of several
-        #: stages may be joined, so gradients accumulate into .grad directly (see stage.backward).
-        self.direct = False
-        self.backward_done = False
+        #: GPipe's backward: the parameters' gradients it sets aside (None: gradients accumulate into .grad, as
+        #: in a Pipeline step).
+        self.param_grads: Optional[ParamGrads] = None
 
     def seed_for(self, stage: int, microbatch: int) -> Optional[int]:
         """The seed of the random stream of ``stage``'s forward of ``microbatch`` (None: it draws nothing)."""
         if self.seed is None or not self.draws[stage]:
             return None
         return task_seed(self.seed, stage, microbatch)
-
-    def weighted_losses(self) -> List[Tensor]:
-        """The loss of each micro-batch this step computed, times its weight (see [Note: loss weights]): 0-dim
-        tensors without graph, whose sum is the step's loss. Weighted once the step's actions are over: a
-        micro-batch's multiplication and reshape sat between its forward and its backward, on the last stage
-        where every micro-batch waits for them."""
-        assert self.loss is not None, "a step without a loss has no losses"
-        weighted = []
-        for value, weight in zip(self.losses, self.loss.weights):
-            if value is not None:
-                product = value * weight
-                weighted.append(product.reshape(()) if product.dim() else product)
-        return weighted
 
     def take_results(self) -> List[Batch]:
         """The last stage's outputs, in micro-batch order (each handed out once)."""
@@ -201,9 +245,3 @@ class Step:
         self.input_grads = [None] * self.microbatches
         if roots:
             torch.autograd.backward(roots, grads)
-
-    def accumulate(self, stage: int, sums: Sequence[Optional[Tensor]]) -> None:
-        """Keeps the step's gradient sums of ``stage``'s parameters after one more micro-batch (GPipe), where the
-        caller's backward needs them (see :func:`~torchpipe.runtime.boundary.own_gradients`)."""
-        assert self.param_grads is not None and self.needed is not None
-        self.param_grads[stage] = [total if needed else None for total, needed in zip(sums, self.needed[stage])]

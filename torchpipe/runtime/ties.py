@@ -22,8 +22,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from torchpipe.runtime.driver import StageHooks
-from torchpipe.runtime.step import Step
+from torchpipe.runtime.step import StageHooks, Step
 
 __all__ = [
     "Holder", "Tie", "find_ties", "untie_devices", "retie", "shared_stages", "TiedCopies", "need_all_copies",

@@ -12,18 +12,16 @@ which is what keeps "nothing hangs" true.
 import enum
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 from torch import Tensor
 
 from torchpipe import trace, transfer
+from torchpipe.runtime.stages import Stages
 from torchpipe.schedule import Action, Kind
 from torchpipe.skip.layout import SkipLayout
 from torchpipe.skip.namespace import Namespace
 from torchpipe.stream import CPU_EVENT, AbstractEvent, AbstractStream
-
-if TYPE_CHECKING:
-    from torchpipe.runtime.runner import Runner
 
 __all__ = ["EdgeKind", "Edge", "Message", "Transport", "Mailbox", "LocalTransport", "Aborted", "sends"]
 
@@ -182,8 +180,8 @@ class LocalTransport:
     target's stream wait for the copy.
     """
 
-    def __init__(self, runner: "Runner", streams: List[AbstractStream]) -> None:
-        self.runner = runner
+    def __init__(self, stages: Stages, streams: List[AbstractStream]) -> None:
+        self.stages = stages
         self.streams = streams
         self.mailbox = Mailbox()
 
@@ -192,15 +190,15 @@ class LocalTransport:
         return self.mailbox.aborted
 
     def send(self, edge: Edge, message: Message) -> None:
-        runner = self.runner
+        stages = self.stages
         # The caller hands the output's gradients to the last stage as if from a stage after it.
-        source = min(edge.source, len(runner.devices) - 1)
-        source_device, target_device = runner.devices[source], runner.devices[edge.target]
+        source = min(edge.source, stages.count - 1)
+        source_device, target_device = stages.devices[source], stages.devices[edge.target]
         # A real copy (between devices) is a task of its own on the timeline; on CUDA it shows the time to
         # queue the copy, which then runs on the copy streams.
         copying = trace.span("copy", source, edge.microbatch) if source_device != target_device else trace.NOTHING
         with copying:
-            streams = runner.copy_streams()
+            streams = stages.copy_streams()
             tensors, event = transfer.send(
                 message.tensors,
                 target_device,

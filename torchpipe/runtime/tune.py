@@ -34,12 +34,12 @@ bits; ``pipe.schedule`` shows the placement in use.
 import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
+from torchpipe.runtime.step import Timings
 from torchpipe.schedule import Kind, choose_split
 
 __all__ = ["SplitTuner", "Timings", "TRIAL_STEPS", "TRIAL_MARGIN", "TUNING_STEPS"]
 
 #: An action's measured durations, by (stage, kind).
-Timings = Dict[Tuple[int, Kind], List[float]]
 
 _MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 

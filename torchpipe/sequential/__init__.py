@@ -3,12 +3,12 @@ from typing import Any, List, Optional, Sequence, Type, Union
 
 from torch import Tensor, fx, nn
 
-from torchpipe.sequential.build import Planned, build_layers
+from torchpipe.sequential.build import Cuts, build_layers
+from torchpipe.sequential.cuts import called_split_points, cut_layers
 from torchpipe.sequential.example import ExampleCall, Output, OutputError, example_call
 from torchpipe.sequential.export import ExportFailed, export_trace
 from torchpipe.sequential.guard import InputGuard
 from torchpipe.sequential.layer import TracedLayer
-from torchpipe.sequential.plan import called_split_points, plan
 from torchpipe.sequential.trace import Traced, UntraceableError, trace
 
 __all__ = ["as_sequential", "TracedLayer", "UntraceableError", "InputGuard"]
@@ -124,7 +124,7 @@ def as_sequential(
             if splits is not None:
                 _check_split_points(traced, splits)
             return _in_mode(
-                nn.Sequential(*build_layers([Planned(traced, plan(traced, module, splits))], module)), module
+                nn.Sequential(*build_layers([Cuts(traced, cut_layers(traced, module, splits))], module)), module
             )
 
     try:
@@ -133,12 +133,12 @@ def as_sequential(
         raise TypeError(_output_message(module, str(error), call)) from None
     except ExportFailed as failure:
         raise _untraceable_by_both(module, fx_error, failure) from failure.error
-    planned = []
+    traced_cuts = []
     for traced in exported.modes.values():
         if splits is not None:
             _check_split_points(traced, splits)
-        planned.append(Planned(traced, plan(traced, module, splits)))
-    return _in_mode(nn.Sequential(*build_layers(planned, module, exported.missing)), module)
+        traced_cuts.append(Cuts(traced, cut_layers(traced, module, splits)))
+    return _in_mode(nn.Sequential(*build_layers(traced_cuts, module, exported.missing)), module)
 
 
 def _in_mode(seq: nn.Sequential, module: nn.Module) -> nn.Sequential:

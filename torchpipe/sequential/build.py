@@ -1,12 +1,12 @@
-"""Building the layers: each planned layer's operations copied into an fx graph of its own, made a TracedLayer.
+"""Building the layers: each traced_cuts layer's operations copied into an fx graph of its own, made a TracedLayer.
 
 [Note: two modes] An exported graph holds for the mode it was traced in
-([Note: export]), so a module traced by export is planned once per mode and
+([Note: export]), so a module traced by export is traced_cuts once per mode and
 each layer gets the code of both: it runs the one of its own ``training``
-flag. The two plans must cut the same layers (the same names) and pass the
+flag. The two cuts must cut the same layers (the same names) and pass the
 same number of skips between the same layers; the skips of the other mode are
 renamed after the first's, so the skip layout GPipe and Pipeline compute once
-holds in both modes. When the plans differ, or export could not trace the other
+holds in both modes. When the cuts differ, or export could not trace the other
 mode, the layers refuse to run in it, with a message that says how to go on.
 """
 import dataclasses
@@ -15,24 +15,24 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import fx, nn
 
+from torchpipe.sequential.cuts import LayerCut
 from torchpipe.sequential.effects import draws_random
 from torchpipe.sequential.layer import LayerCode, TracedLayer
-from torchpipe.sequential.plan import LayerPlan
 from torchpipe.sequential.trace import Traced
 from torchpipe.skip.namespace import Namespace
 
-__all__ = ["build_layers", "Planned"]
+__all__ = ["build_layers", "Cuts"]
 
 
 @dataclasses.dataclass
-class Planned:
-    """A traced graph and its layers' plans."""
+class Cuts:
+    """A traced graph and its layers' cuts."""
 
     traced: Traced
-    plans: List[LayerPlan]
+    cuts: List[LayerCut]
 
 
-def _outputs(layer: LayerPlan) -> List[fx.Node]:
+def _outputs(layer: LayerCut) -> List[fx.Node]:
     """What the layer's code returns, flat: what it passes on (or the module's output), then what it stashes."""
     if layer.output is None:
         passed = list(layer.carried)
@@ -63,7 +63,7 @@ def _replace_devices(value: Any, devices: Set[torch.device], device: fx.Node) ->
     return value
 
 
-def _graph(layer: LayerPlan, traced: Traced) -> Tuple[fx.Graph, Set[str]]:
+def _graph(layer: LayerCut, traced: Traced) -> Tuple[fx.Graph, Set[str]]:
     """The layer's own graph: its inputs (received, then popped), its operations, its outputs; and the targets used."""
     graph = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
@@ -101,18 +101,18 @@ def _graph(layer: LayerPlan, traced: Traced) -> Tuple[fx.Graph, Set[str]]:
     return graph, targets
 
 
-def _skip_names(plans: List[LayerPlan]) -> Dict[Tuple[int, int], List[str]]:
+def _skip_names(cuts: List[LayerCut]) -> Dict[Tuple[int, int], List[str]]:
     """The skips between each pair of layers (stashing, popping), in the order the stashing layer makes them."""
-    popped_by = {name: k for k, layer in enumerate(plans) for name, _ in layer.pops}
+    popped_by = {name: k for k, layer in enumerate(cuts) for name, _ in layer.pops}
     pairs: Dict[Tuple[int, int], List[str]] = {}
-    for k, layer in enumerate(plans):
+    for k, layer in enumerate(cuts):
         for name, _ in layer.stashes:
             pairs.setdefault((k, popped_by[name]), []).append(name)
     return pairs
 
 
-def _align(first: List[LayerPlan], second: List[LayerPlan]) -> Tuple[Optional[Dict[str, str]], str]:
-    """Skip names of ``second`` renamed after ``first``'s, or None and why the two plans cannot share layers."""
+def _align(first: List[LayerCut], second: List[LayerCut]) -> Tuple[Optional[Dict[str, str]], str]:
+    """Skip names of ``second`` renamed after ``first``'s, or None and why the two cuts cannot share layers."""
     names, other_names = [p.name for p in first], [p.name for p in second]
     if names != other_names:
         return None, f"the two modes' graphs cut into different layers ({names} and {other_names})"
@@ -123,16 +123,16 @@ def _align(first: List[LayerPlan], second: List[LayerPlan]) -> Tuple[Optional[Di
     return renamed, ""
 
 
-def _code(plan: LayerPlan, traced: Traced, renamed: Optional[Dict[str, str]], last: bool) -> Tuple[LayerCode, Set[str]]:
-    graph, targets = _graph(plan, traced)
+def _code(cut: LayerCut, traced: Traced, renamed: Optional[Dict[str, str]], last: bool) -> Tuple[LayerCode, Set[str]]:
+    graph, targets = _graph(cut, traced)
     rename = renamed or {}
     code = LayerCode(
         graph=graph,
-        received=[node.name for node in graph.nodes if node.op == "placeholder"][: len(plan.received)],
-        pops=[rename.get(name, name) for name, _ in plan.pops],
-        stashes=[rename.get(name, name) for name, _ in plan.stashes],
-        carried=len(_outputs(plan)) - len(plan.stashes),
-        returns_tuple=last and isinstance(plan.output, tuple),
+        received=[node.name for node in graph.nodes if node.op == "placeholder"][: len(cut.received)],
+        pops=[rename.get(name, name) for name, _ in cut.pops],
+        stashes=[rename.get(name, name) for name, _ in cut.stashes],
+        carried=len(_outputs(cut)) - len(cut.stashes),
+        returns_tuple=last and isinstance(cut.output, tuple),
     )
     return code, targets
 
@@ -157,39 +157,39 @@ def _attributes(
 
 
 def build_layers(
-    planned: Sequence[Planned], module: nn.Module, missing: Optional[str] = None
+    traced_cuts: Sequence[Cuts], module: nn.Module, missing: Optional[str] = None
 ) -> List[TracedLayer]:
-    """One :class:`TracedLayer` per planned layer, with skip names in one fresh namespace.
+    """One :class:`TracedLayer` per traced_cuts layer, with skip names in one fresh namespace.
 
-    ``planned`` holds one traced graph (fx) or one per mode (export, the
+    ``traced_cuts`` holds one traced graph (fx) or one per mode (export, the
     module's own mode first; see [Note: two modes]); ``missing`` says why an
     exported module has no graph for its other mode.
     """
-    first = planned[0]
-    plans = first.plans
-    others: List[Planned] = []
+    first = traced_cuts[0]
+    cuts = first.cuts
+    others: List[Cuts] = []
     renamed: Optional[Dict[str, str]] = None
-    if len(planned) > 1:
-        renamed, why = _align(plans, planned[1].plans)
+    if len(traced_cuts) > 1:
+        renamed, why = _align(cuts, traced_cuts[1].cuts)
         if renamed is None:
             missing = why
         else:
-            others = [planned[1]]
+            others = [traced_cuts[1]]
     namespace = Namespace()
-    stashed_by = {name: k for k, layer in enumerate(plans) for name, _ in layer.stashes}
-    popped_by = {name: k for k, layer in enumerate(plans) for name, _ in layer.pops}
+    stashed_by = {name: k for k, layer in enumerate(cuts) for name, _ in layer.stashes}
+    popped_by = {name: k for k, layer in enumerate(cuts) for name, _ in layer.pops}
     layers: List[TracedLayer] = []
-    for k, plan in enumerate(plans):
-        last = k == len(plans) - 1
-        code, targets = _code(plan, first.traced, None, last)
+    for k, cut in enumerate(cuts):
+        last = k == len(cuts) - 1
+        code, targets = _code(cut, first.traced, None, last)
         codes: Dict[Optional[bool], LayerCode] = {first.traced.training: code}
-        draws = {first.traced.training: any(draws_random(node) for node in plan.nodes)}
+        draws = {first.traced.training: any(draws_random(node) for node in cut.nodes)}
         attributes, borrowed, persistent = _attributes(targets, first.traced, module)
         for other in others:
-            other_plan = other.plans[k]
-            other_code, other_targets = _code(other_plan, other.traced, renamed, last)
+            other_cut = other.cuts[k]
+            other_code, other_targets = _code(other_cut, other.traced, renamed, last)
             codes[other.traced.training] = other_code
-            draws[other.traced.training] = any(draws_random(node) for node in other_plan.nodes)
+            draws[other.traced.training] = any(draws_random(node) for node in other_cut.nodes)
             more = _attributes(other_targets - targets, other.traced, module)
             attributes.update(more[0])
             borrowed += more[1]
@@ -200,13 +200,13 @@ def build_layers(
             if k == 0 and p.traced.training is not None and p.traced.guard is not None
         }
         layers.append(TracedLayer(
-            plan.name,
+            cut.name,
             codes,
             attributes,
             borrowed,
             persistent=persistent,
-            pops=[(name, stashed_by[name]) for name, _ in plan.pops],
-            stashes=[(name, popped_by[name]) for name, _ in plan.stashes],
+            pops=[(name, stashed_by[name]) for name, _ in cut.pops],
+            stashes=[(name, popped_by[name]) for name, _ in cut.stashes],
             draws_random=draws,
             namespace=namespace,
             guards=guards,

@@ -31,10 +31,9 @@ Frames belong to one thread, so replicas running on worker threads
 function (a script's top level, ``exec``) keeps its skip tensors in a
 per-thread scope instead, where they stay until they are popped, as that
 code's variables do. The cost is a walk up the stack: the first stash of a
-forward walks the whole stack (about 0.07 microseconds a frame, so a few
-microseconds in a deep program); each thread remembers the scope of the
+forward walks the whole stack; each thread remembers the scope of the
 last module call it stored skips in, so the later stashes and pops of that
-forward stop at its frame, a microsecond or two (a scope that is alive
+forward stop at its frame (a scope that is alive
 keeps its frame alive, so the frame's ``id`` is not reused). On Python 3.12
 and before, reading ``f_locals`` also takes a snapshot of the frame's
 variables, which a function calling layers by hand keeps until its next

@@ -1,11 +1,9 @@
 """A timeline drawn as a Gantt chart (PNG, with matplotlib): one row per stage, one box per task."""
 import os
-from typing import TYPE_CHECKING, Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from torchpipe.schedule import Kind
-
-if TYPE_CHECKING:
-    from torchpipe.trace.timeline import Timeline
+from torchpipe.trace.span import Span
 
 __all__ = ["save_png", "KINDS", "COLORS", "PathLike"]
 
@@ -27,8 +25,17 @@ COLORS = {
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def save_png(timeline: "Timeline", path: PathLike, *, title: Optional[str] = None, dpi: int = 120) -> None:
-    """Draws the timeline as a Gantt chart and saves it to ``path`` (PNG; its folder is created).
+def save_png(
+    spans: List[Span],
+    labels: Sequence[Tuple[Optional[int], int]],
+    started: float,
+    path: PathLike,
+    *,
+    title: Optional[str] = None,
+    dpi: int = 120,
+) -> None:
+    """Draws a timeline's tasks (``spans``, as drawn, on the (rank, partition) rows ``labels``; ``started``: the
+    start of its recording) as a Gantt chart and saves it to ``path`` (PNG, in a folder that exists).
 
     One row per partition (partition 0 on top; per rank and stage for a
     merged multi-process timeline), one box per task coloured
@@ -49,11 +56,9 @@ def save_png(timeline: "Timeline", path: PathLike, *, title: Optional[str] = Non
             "(or use Timeline.save_chrome_trace, which needs nothing)"
         ) from exc
 
-    spans = timeline.tasks()
-    labels = timeline.rows()
     row_of = {row: k for k, row in enumerate(labels)}
     rows = max(len(labels), 1)
-    origin = min((s.start for s in spans), default=timeline.started)
+    origin = min((s.start for s in spans), default=started)
     finish = max((s.end for s in spans), default=origin)
     width_ms = max((finish - origin) * 1e3, 1e-3)
 

@@ -6,52 +6,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from torchpipe.schedule import Action, Kind, dependencies
+from torchpipe.schedule import dependencies
 from torchpipe.trace.chrome import chrome_trace
 from torchpipe.trace.png import PathLike, save_png
+from torchpipe.trace.span import Span
 
 __all__ = ["Span", "Timeline"]
-
-@dataclass(frozen=True)
-class Span:
-    """One recorded task."""
-
-    #: An action's :attr:`~torchpipe.schedule.Kind.label` (``'forward'``, ``'backward-input'``, …) or ``'copy'``.
-    kind: str
-    partition: int
-    microbatch: int
-    #: Seconds from :func:`time.perf_counter`.
-    start: float
-    end: float
-    #: The name of the thread that ran the task.
-    thread: str
-    #: The rank that ran it (a merged multi-process timeline), or None.
-    rank: Optional[int] = None
-
-    @property
-    def duration(self) -> float:
-        """``end - start``, in seconds."""
-        return self.end - self.start
-
-    @property
-    def label(self) -> str:
-        """The task as a schedule writes it: ``1F0`` is partition 1's forward of micro-batch 0 (``1C0`` a copy,
-        ``1reduce`` stage 1's gradient reduction)."""
-        action = self.action
-        if action is not None:
-            return str(action)
-        if self.kind == "reduce":
-            return f"{self.partition}reduce"
-        return f"{self.partition}C{self.microbatch}"
-
-    @property
-    def action(self) -> Optional[Action]:
-        """The schedule's action this span ran (None for a copy)."""
-        try:
-            return Action(self.partition, Kind.from_label(self.kind), self.microbatch)
-        except ValueError:
-            return None
-
 
 @dataclass
 class Timeline:
@@ -169,7 +129,7 @@ class Timeline:
         row per stage. ``json.dump`` the result, or use :meth:`save_chrome_trace`;
         both ``chrome://tracing`` and https://ui.perfetto.dev load it.
         """
-        return chrome_trace(self)
+        return chrome_trace(self.rows(), self._tasks(), self.started)
 
     def save_chrome_trace(self, path: PathLike) -> None:
         """Writes :meth:`to_chrome_trace` as JSON to ``path`` (its folder is created if missing)."""
@@ -190,10 +150,11 @@ class Timeline:
             ImportError: matplotlib is not installed (``pip install matplotlib``).
         """
         make_parent(path)
-        save_png(self, path, title=title, dpi=dpi)
+        save_png(self.tasks(), self.rows(), self.started, path, title=title, dpi=dpi)
 
 
 def make_parent(path: PathLike) -> None:
+    """Creates the folder ``path`` is in, if missing (the exports' own job, done here for both)."""
     parent = os.path.dirname(os.fspath(path))
     if parent:
         os.makedirs(parent, exist_ok=True)

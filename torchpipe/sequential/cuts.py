@@ -60,13 +60,13 @@ from torch import Tensor, fx, nn
 from torchpipe.sequential.effects import aliased_input, draws_random, written_input
 from torchpipe.sequential.trace import SCOPE, Traced
 
-__all__ = ["LayerPlan", "plan"]
+__all__ = ["LayerCut", "cut_layers", "called_split_points"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
 
 @dataclasses.dataclass
-class LayerPlan:
+class LayerCut:
     """One layer: the operations it runs and the values that enter and leave it."""
 
     #: The qualified name of the submodule call that starts it (``layer1.0.conv1``).
@@ -325,10 +325,10 @@ class _Analysis:
 
     # --- the layers ---
 
-    def layers(self) -> List[LayerPlan]:
+    def layers(self) -> List[LayerCut]:
         count = len(self.segments)
         stashes: List[List[Tuple[str, fx.Node]]] = [[] for _ in range(count)]
-        plans: List[LayerPlan] = []
+        cuts: List[LayerCut] = []
         for k, segment in enumerate(self.segments):
             pops: List[Tuple[str, fx.Node]] = []
             for value in self.needs[k]:
@@ -340,13 +340,13 @@ class _Analysis:
             received = (
                 list(self.traced.inputs) if k == 0 else [v for v in self.needs[k] if self.producer(v, k) == k - 1]
             )
-            plans.append(LayerPlan(
+            cuts.append(LayerCut(
                 name=segment.name, nodes=self.runs[k], received=received, pops=pops, carried=[],
                 stashes=stashes[k], clones=self.clones[k], output=self.output.args[0] if k == count - 1 else None,
             ))
         for k in range(count - 1):
-            plans[k].carried = list(plans[k + 1].received)
-        return plans
+            cuts[k].carried = list(cuts[k + 1].received)
+        return cuts
 
 
 def _state_owners(traced: Traced, module: nn.Module) -> Dict[str, Tuple[nn.Module, str]]:
@@ -362,7 +362,7 @@ def _state_owners(traced: Traced, module: nn.Module) -> Dict[str, Tuple[nn.Modul
     return owners
 
 
-def plan(traced: Traced, module: nn.Module, split_points: Optional[Sequence[str]]) -> List[LayerPlan]:
+def cut_layers(traced: Traced, module: nn.Module, split_points: Optional[Sequence[str]]) -> List[LayerCut]:
     """Cuts the traced graph into layers; see the module's notes."""
     segments = _first_segments(traced, split_points, type(module).__name__)
     owners = _state_owners(traced, module)
@@ -387,7 +387,7 @@ def plan(traced: Traced, module: nn.Module, split_points: Optional[Sequence[str]
     return layers
 
 
-def _unique_names(layers: List[LayerPlan]) -> None:
+def _unique_names(layers: List[LayerCut]) -> None:
     """``pool``, ``pool#2``, ... for a name that starts several layers (a module without parameters called twice)."""
     counts: Dict[str, int] = {}
     for layer in layers:

@@ -29,7 +29,7 @@ from torchpipe import microbatch, trace
 from torchpipe.context import task_context
 from torchpipe.microbatch import Batch
 from torchpipe.rng import streams
-from torchpipe.runtime.boundary import alias, is_differentiable, make_leaves, own_gradients, own_version
+from torchpipe.runtime.boundary import alias, copy_leaf, is_differentiable, make_leaves, own_gradients, own_version
 from torchpipe.runtime.skips import StageSkips, received_skips, stashed_roots
 from torchpipe.runtime.step import StageState, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
@@ -47,15 +47,15 @@ def run(step: Step, action: Action) -> None:
     """Runs ``action`` of ``step`` on the calling thread, under its device, stream and labels."""
     s, i, kind = action.stage, action.microbatch, action.kind
     recording = step.timings is not None or trace.active() or _profiler_enabled()
-    if not recording and step.runner.devices[s].type != "cuda":
-        # On CPU with nothing recording, nothing to enter: four do-nothing contexts and a label less are 7% of a
-        # tiny model's one-process step (a harness that runs the actions in order on one thread).
+    if not recording and step.stages.devices[s].type != "cuda":
+        # On CPU with nothing recording, nothing to enter: four do-nothing contexts and a label less, a share of
+        # a tiny model's step worth saving (measured in benchmarks/README.md).
         _ACTIONS[kind](step, action)
         return
     label = kind.label
     # record_function costs microseconds even with no profiler: label the action only when one runs.
     profiled = record_function(f"torchpipe/part{s}/mb{i}/{label}") if _profiler_enabled() else _NOT_PROFILED
-    with use_device(step.runner.devices[s]), use_stream(step.streams[s]), profiled, trace.span(label, s, i):
+    with use_device(step.stages.devices[s]), use_stream(step.streams[s]), profiled, trace.span(label, s, i):
         if step.timings is None:
             _ACTIONS[kind](step, action)
         else:  # see [Note: zero-bubble placement]: this thread's CPU time, not the wait for messages
@@ -70,7 +70,7 @@ def run(step: Step, action: Action) -> None:
 def forward(step: Step, action: Action) -> None:
     """``sFi``: the first forward of stage ``s`` for micro-batch ``i``."""
     s, i = action.stage, action.microbatch
-    runner = step.runner
+    stages = step.stages
     if s == 0:
         assert step.batches is not None, "the step's input was released before its forwards ran"
         batch = step.batches[i]
@@ -93,12 +93,12 @@ def forward(step: Step, action: Action) -> None:
     checkpointed = i < step.checkpoint_stop and (
         step.trainable[s] or any(leaf.requires_grad for leaf in leaves)
     )
-    skips = StageSkips(step, s, i, checkpointing=checkpointed, recomputing=False) if runner.skip_layout else None
+    skips = StageSkips(step, s, i, checkpointing=checkpointed, recomputing=False) if stages.skip_layout else None
     with step.context.entered(), streams(step.seed_for(s, i)):
         if checkpointed:
             # The copy is what the recomputation starts from: a first layer that works in place changes
             # the tensors it is given, not the copy.
-            saved = Batch.of([_copy(leaf) for leaf in leaves], atomic)
+            saved = Batch.of([copy_leaf(leaf) for leaf in leaves], atomic)
             with torch.no_grad(), task_context(step.keys[i], checkpointing=True, skips=skips):
                 out, loss = _run_stage(step, s, i, Batch.of(leaves, atomic))
         else:
@@ -126,11 +126,11 @@ def forward(step: Step, action: Action) -> None:
             step.transport.send(edge, skips.message(*edge.skip))
         else:
             step.transport.send(edge, Message([t.detach() for t in out.values], out_flags, out.atomic))
-    if s + 1 < runner.stages_count:
+    if s + 1 < stages.count:
         return
     if loss is not None:
         assert step.loss is not None, "a loss is computed only in a step with one"
-        step.losses[i] = loss.detach()  # weighted as the step ends (Step.weighted_losses), off the way
+        step.loss.values[i] = loss.detach()  # weighted as the step ends (Loss.weighted), off the way
     else:
         step.results[i] = Batch.of([t.detach() for t in out.values], out.atomic)
         step.output_flags[i] = None if checkpointed else out_flags
@@ -141,8 +141,8 @@ def recompute(step: Step, action: Action) -> None:
     s, i = action.stage, action.microbatch
     state = step.states[(s, i)]
     _check_input_versions(state, i)
-    runner = step.runner
-    skips = StageSkips(step, s, i, checkpointing=False, recomputing=True) if runner.skip_layout else None
+    stages = step.stages
+    skips = StageSkips(step, s, i, checkpointing=False, recomputing=True) if stages.skip_layout else None
     with step.context.entered(grad_enabled=True), streams(step.seed_for(s, i)):
         with task_context(step.keys[i], recomputing=True, skips=skips):
             inputs = Batch.of(_stage_input(step, s, state.leaves.values), state.leaves.atomic)
@@ -167,14 +167,14 @@ def _check_input_versions(state: StageState, i: int) -> None:
 
 def _run_stage(step: Step, s: int, i: int, inputs: Batch) -> Tuple[Batch, Optional[Tensor]]:
     """Runs stage ``s`` on ``inputs``; on the last stage of a step with a loss, also the micro-batch's loss."""
-    runner = step.runner
-    module = runner.stages[s]
+    stages = step.stages
+    module = stages.modules[s]
     assert module is not None, f"stage {s} is not on this rank"
     output = module(inputs.value)
     if not isinstance(output, Tensor):
-        microbatch.check_input(output, f"the output of {runner.noun} {s} (layers {runner.layer_names(s)})")
+        microbatch.check_input(output, f"the output of {stages.noun} {s} (layers {stages.layer_names(s)})")
     out = Batch(output)
-    if step.loss is None or s + 1 < runner.stages_count:
+    if step.loss is None or s + 1 < stages.count:
         return out, None
     fn, target = step.loss.fn, step.loss.targets[i]
     if fn is None:
@@ -196,17 +196,13 @@ def _stage_input(step: Step, s: int, leaves: Tuple[Tensor, ...]) -> Tuple[Tensor
     return leaves if step.bare_leaves[s] else alias(leaves)
 
 
-def _copy(leaf: Tensor) -> Tensor:
-    return leaf.detach().clone().requires_grad_(leaf.requires_grad)
-
-
 # --- backward -----------------------------------------------------------------------------------------
 
 
 def _output_roots(step: Step, s: int, i: int, state: StageState) -> Tuple[List[Tensor], List[Tensor]]:
     """The stage's outputs (or loss) that join its backward, with their gradients; then its stashed skips'."""
     assert state.outputs is not None, f"{s}B{i} has no graph: its forward ran without grad or was not recomputed"
-    if step.loss is not None and s + 1 == step.runner.stages_count:
+    if step.loss is not None and s + 1 == step.stages.count:
         # [Note: loss weights] The step's loss is the sum of the micro-batches' losses, each times its weight
         # (1/8 of a mean over 8 equal micro-batches, 1 for a sum). The weight is the gradient the backward
         # starts from, not a multiplication in the graph: the same bits reach the loss's backward (the
@@ -217,7 +213,7 @@ def _output_roots(step: Step, s: int, i: int, state: StageState) -> Tuple[List[T
         weight = step.loss.weights[i]
         roots, grads = ([loss], [torch.full_like(loss, weight)]) if loss.requires_grad else ([], [])
     else:
-        source = s + 1 if s + 1 < step.runner.stages_count else step.runner.stages_count  # the caller
+        source = s + 1  # the stage after it, or (after the last) the caller
         message = step.transport.recv(Edge(EdgeKind.GRADIENT, i, source, s))
         roots, grads = [], []
         for tensor, grad in zip(state.outputs.values, message.tensors):
@@ -225,7 +221,7 @@ def _output_roots(step: Step, s: int, i: int, state: StageState) -> Tuple[List[T
                 roots.append(tensor)
                 grads.append(grad)
     trace.mark_start()
-    if step.runner.skip_layout:
+    if step.stages.skip_layout:
         skip_roots, skip_grads = stashed_roots(step, s, i)
         roots += skip_roots
         grads += skip_grads
@@ -252,7 +248,7 @@ def _hand_back(
 def _inputs(step: Step, s: int, i: int, state: StageState) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
     """The leaves whose gradients the stage hands back (its inputs, then the skips it popped), and the popped
     skips' leaves in the layout's order (None where nothing was received)."""
-    popped = received_skips(step, s, i) if step.runner.skip_layout else []
+    popped = received_skips(step, s, i) if step.stages.skip_layout else []
     return list(state.leaves.values) + [p for p in popped if p is not None], popped
 
 
@@ -280,12 +276,12 @@ def backward(step: Step, action: Action) -> None:
     found: List[Optional[Tensor]]
     if not roots:
         found = [None] * len(inputs)
-    elif step.needed is None or step.direct:
+    elif step.param_grads is None or step.param_grads.needed is None or step.param_grads.direct:
         # A Pipeline step: gradients accumulate into .grad, as loss.backward() on the plain module would (and a
         # GPipe step's that may not set them aside: [Note: joined graphs], [Note: gradient lease]).
         torch.autograd.backward(roots, grads, retain_graph=keep)
         found = [x.grad if x.requires_grad else None for x in inputs]
-    elif any(step.stage_params) and not any(any(needed) for needed in step.needed):
+    elif any(step.param_grads.params) and not any(any(needed) for needed in step.param_grads.needed):
         # The caller asked for no parameter's gradient (torch.autograd.grad(output, input)): touch no .grad.
         wanted = [x for x in inputs if x.requires_grad]
         got = iter(torch.autograd.grad(roots, wanted, grads, allow_unused=True, retain_graph=keep) if wanted else ())
@@ -293,10 +289,11 @@ def backward(step: Step, action: Action) -> None:
     else:
         # GPipe: the module's parameters' gradients go to the caller (see [Note: parameter gradients]); a
         # tensor a layer uses from outside the module gets its gradient in .grad, as without GPipe.
-        assert step.param_grads is not None
-        with own_gradients(step.stage_params[s], step.param_grads[s], step.runner.shared_locks[s]) as sums:
+        kept = step.param_grads
+        assert kept.sums is not None
+        with own_gradients(kept.params[s], kept.sums[s], step.stages.shared_locks[s]) as sums:
             torch.autograd.backward(roots, grads, retain_graph=keep)
-        step.accumulate(s, sums)
+        kept.accumulate(s, sums)
         found = [x.grad if x.requires_grad else None for x in inputs]
     del roots, grads, state
     input_grads, skip_grads = _split(found, count, popped)
