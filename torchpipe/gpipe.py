@@ -5,7 +5,6 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe import microbatch
-from torchpipe.batchnorm import DeferredBatchNorm
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.microbatch import Batch
 from torchpipe.partition import BalanceError, cut, place, resolve_devices, verify_balance, verify_module
@@ -62,10 +61,6 @@ class GPipe(Pipelined):
         output.sum().backward()
     """
 
-    balance: List[int]
-    devices: List[torch.device]
-    chunks: int
-    checkpoint: str
     partitions: nn.ModuleList
     _parts = "partitions"
     _handle = "g"
@@ -87,14 +82,7 @@ class GPipe(Pipelined):
         balance = verify_balance(module, balance)
         resolved = resolve_devices(devices, len(balance))
         verify_skippables(module)
-        if deferred_batch_norm:
-            module = cast(nn.Sequential, DeferredBatchNorm.convert(module))
-
-        self.balance = balance
-        self.devices = resolved
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.deferred_batch_norm: bool = deferred_batch_norm
+        module = self._keep_arguments(module, balance, resolved, chunks, checkpoint, deferred_batch_norm)
         # Layers may share a parameter across partitions (see [Note: tied parameters]).
         ties = find_ties(module, balance)
         cuts = cut(module, balance)

@@ -9,7 +9,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchpipe import microbatch, trace
-from torchpipe.batchnorm import DeferredBatchNorm
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.clip import Exchange
 from torchpipe.distributed.channel import Channel, PipelineError
@@ -107,11 +106,6 @@ class Pipeline(Pipelined):
         optimizer.step(); optimizer.zero_grad()
     """
 
-    balance: List[int]
-    devices: List[torch.device]
-    chunks: int
-    checkpoint: str
-
     def __init__(
         self,
         module: nn.Sequential,
@@ -183,16 +177,9 @@ class Pipeline(Pipelined):
             worker_devices = [device] * workers
             local = set(schedule_for(chunks).stages_of(self._channel.rank))
         stage_devices = [worker_devices[w] for w in stage_workers]
-        if deferred_batch_norm:
-            module = cast(nn.Sequential, DeferredBatchNorm.convert(module))
-
-        self.balance = balance
-        self.devices = stage_devices
-        self.chunks = chunks
-        self.checkpoint = checkpoint
+        module = self._keep_arguments(module, balance, stage_devices, chunks, checkpoint, deferred_batch_norm)
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
-        self.deferred_batch_norm = deferred_batch_norm
         self.schedule_name = schedule_for(chunks).name
         self._layer_index = {name: k for k, name in enumerate(module._modules)}
         # Each process builds and keeps only its own stages (on the meta device, see partition.place); layers

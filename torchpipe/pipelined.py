@@ -1,12 +1,12 @@
 """What GPipe and Pipeline share as modules: parts that stay where they were placed, gradients clipped as the
 plain module's, and deferred batch norm's statistics committed once per mini-batch."""
 import contextlib
-from typing import Any, Generator, List, Optional, Sequence, Union
+from typing import Any, Generator, List, Optional, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
 
-from torchpipe.batchnorm import commit, discard
+from torchpipe.batchnorm import DeferredBatchNorm, commit, discard
 from torchpipe.clip import Exchange, clip_grad_norm
 from torchpipe.partition import moving_denied, names_a_device
 
@@ -22,10 +22,27 @@ class Pipelined(nn.Module):
     how the shares of several ranks are combined (:meth:`_exchange`).
     """
 
+    balance: List[int]
+    devices: List[torch.device]
+    chunks: int
+    checkpoint: str
     deferred_batch_norm: bool
     #: What a message calls the placed parts (``'partitions'``, ``'stages'``) and the user's handle (``'g'``).
     _parts = "stages"
     _handle = "pipe"
+
+    def _keep_arguments(
+        self, module: nn.Sequential, balance: List[int], devices: List[torch.device], chunks: int, checkpoint: str,
+        deferred_batch_norm: bool,
+    ) -> nn.Sequential:
+        """Keeps what every pipeline is made with (``devices``: one per stage); returns ``module``, its batch
+        norms deferred where asked (see :class:`~torchpipe.batchnorm.DeferredBatchNorm`)."""
+        self.balance = balance
+        self.devices = devices
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        return cast(nn.Sequential, DeferredBatchNorm.convert(module)) if deferred_batch_norm else module
 
     # --- moving is the pipeline's job ------------------------------------------------------------------
 

@@ -14,17 +14,5 @@ from torchpipe.parallel.data_parallel import DataParallel
 from torchpipe.parallel.replicate import replicate
 from torchpipe.parallel.tuple_parallel import TupleParallel
 
-__all__ = [
-    "DataParallel",
-    "TupleParallel",
-    "replicate",
-    "recursive_cuda",
-    "recursive_to",
-    "cuda_attrs",
-    "Batch",
-    "tp_collate",
-    "default_collate",
-    "tuple_fn",
-    "Tuplewise",
-    "cat",
-]
+__all__ = ["DataParallel", "TupleParallel", "replicate", "recursive_cuda", "recursive_to", "cuda_attrs", "Batch",
+           "tp_collate", "default_collate", "tuple_fn", "Tuplewise", "cat"]

@@ -96,15 +96,8 @@ class Runner:
         self._plans = {}
 
     def new_step(
-        self,
-        batches: Sequence[Optional[Batch]],
-        *,
-        grad_enabled: bool,
-        training: bool,
-        checkpoint_stop: int,
-        loss: Optional[Loss] = None,
-        watch_inputs: bool = False,
-        sequence: Optional[int] = None,
+        self, batches: Sequence[Optional[Batch]], *, grad_enabled: bool, training: bool, checkpoint_stop: int,
+        loss: Optional[Loss] = None, watch_inputs: bool = False, sequence: Optional[int] = None,
         transport: Optional[Callable[[Plan], Transport]] = None,
     ) -> Step:
         """A step of ``batches`` (micro-batches; None for those of other ranks) on this pipeline's plan for its

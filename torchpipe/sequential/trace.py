@@ -112,47 +112,26 @@ def _encoder_forward(
 
 
 def _decoder_forward(
-    decoder: nn.TransformerDecoder,
-    tgt: Any,
-    memory: Any,
-    tgt_mask: Any = None,
-    memory_mask: Any = None,
-    tgt_key_padding_mask: Any = None,
-    memory_key_padding_mask: Any = None,
-    tgt_is_causal: Optional[bool] = None,
+    decoder: nn.TransformerDecoder, tgt: Any, memory: Any, tgt_mask: Any = None, memory_mask: Any = None,
+    tgt_key_padding_mask: Any = None, memory_key_padding_mask: Any = None, tgt_is_causal: Optional[bool] = None,
     memory_is_causal: bool = False,
 ) -> Any:
     """``nn.TransformerDecoder.forward`` as a plain loop (see :func:`_encoder_forward`)."""
     output = tgt
+    masks = {"tgt_mask": tgt_mask, "memory_mask": memory_mask, "tgt_key_padding_mask": tgt_key_padding_mask,
+             "memory_key_padding_mask": memory_key_padding_mask}
     causal = bool(tgt_is_causal) if tgt_is_causal is not None else False
     for layer in decoder.layers:
-        output = layer(
-            output,
-            memory,
-            tgt_mask=tgt_mask,
-            memory_mask=memory_mask,
-            tgt_key_padding_mask=tgt_key_padding_mask,
-            memory_key_padding_mask=memory_key_padding_mask,
-            tgt_is_causal=causal,
-            memory_is_causal=memory_is_causal,
-        )
+        output = layer(output, memory, tgt_is_causal=causal, memory_is_causal=memory_is_causal, **masks)
     if decoder.norm is not None:
         output = decoder.norm(output)
     return output
 
 
 def _transformer_forward(
-    transformer: nn.Transformer,
-    src: Any,
-    tgt: Any,
-    src_mask: Any = None,
-    tgt_mask: Any = None,
-    memory_mask: Any = None,
-    src_key_padding_mask: Any = None,
-    tgt_key_padding_mask: Any = None,
-    memory_key_padding_mask: Any = None,
-    src_is_causal: Optional[bool] = None,
-    tgt_is_causal: Optional[bool] = None,
+    transformer: nn.Transformer, src: Any, tgt: Any, src_mask: Any = None, tgt_mask: Any = None,
+    memory_mask: Any = None, src_key_padding_mask: Any = None, tgt_key_padding_mask: Any = None,
+    memory_key_padding_mask: Any = None, src_is_causal: Optional[bool] = None, tgt_is_causal: Optional[bool] = None,
     memory_is_causal: bool = False,
 ) -> Any:
     """``nn.Transformer.forward`` without its shape checks (Python control flow on shapes)."""

@@ -138,13 +138,9 @@ class Timeline:
             json.dump(self.to_chrome_trace(), f)
 
     def save_png(self, path: PathLike, *, title: Optional[str] = None, dpi: int = 120) -> None:
-        """Draws the timeline as a Gantt chart and saves it to ``path`` (PNG; its folder is created).
-
-        One row per partition (partition 0 on top; per rank and stage for a
-        merged multi-process timeline), one box per task coloured
-        by kind (forward, recompute, backward, …), the micro-batch number in each
-        box that is wide enough to hold it (boxes from :meth:`tasks`); the x axis is
-        milliseconds from the first task.
+        """Draws the timeline as a Gantt chart and saves it to ``path`` (PNG; its folder is created): one row
+        per partition (per rank and stage for a merged multi-process timeline), one box per task of
+        :meth:`tasks` coloured by kind, as :func:`torchpipe.trace.png.save_png` draws it.
 
         Raises:
             ImportError: matplotlib is not installed (``pip install matplotlib``).
