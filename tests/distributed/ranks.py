@@ -13,6 +13,7 @@ from torch import Tensor, nn
 import torchpipe
 from tests.models import Pop, Sleep, Stash, UseMask, WithMask
 from torchpipe import Pipeline, PipelineError
+from torchpipe.distributed.memory import memory_of
 from torchpipe.schedule import Kind
 
 
@@ -326,20 +327,21 @@ def begin_fails(rank: int, world: int, failing: int, where: str) -> Dict[str, An
     step's state (``where="step"``) or its transport (``"transport"``). The other ranks, already in the step,
     waiting for its messages, raise; a third step works everywhere."""
     from torchpipe.distributed import step as distributed_step
+    from torchpipe.runtime import runner
 
     pipe, x, expected = _warm_pipeline(rank, world, schedule="1f1b")
-    name = {"step": "Step", "transport": "DistributedTransport"}[where]
-    original = getattr(distributed_step, name)
+    module, name = {"step": (runner, "Step"), "transport": (distributed_step, "DistributedTransport")}[where]
+    original = getattr(module, name)
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"injected: no {where} on rank {rank}")
 
     if rank == failing:
-        setattr(distributed_step, name, broken)
+        setattr(module, name, broken)
     try:
         report = _failing_step(pipe, x, rank, world)
     finally:
-        setattr(distributed_step, name, original)
+        setattr(module, name, original)
     if where == "step":  # the failing rank still made a transport to abort with: the pairs are in step
         report["next step"] = _gives_the_plain_loss(pipe, x, rank, world, expected)
     return report
@@ -488,7 +490,7 @@ def outboxes_refilled(rank: int, world: int) -> Dict[str, Any]:
         expected = mse(plain(x), x)
         expected.backward()
         problems += _differences(f"step {step} (batch {batch})", loss, expected, plain, held)
-        buffers.append({key: box.buffer.data_ptr() for key, box in channel.outboxes.items()})
+        buffers.append({key: box.buffer.data_ptr() for key, box in memory_of(channel).outboxes.items()})
     # The first crossing of each message sends fillers first (see [Note: expected layouts]): the buffers are kept
     # from the second step.
     return {"problems": problems, "kept": len(buffers[1]), "refilled": buffers[2] == buffers[1],

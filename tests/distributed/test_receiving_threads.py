@@ -4,7 +4,7 @@ import threading
 import time
 from typing import Any, List
 
-from torchpipe.distributed.transport import _receiving_thread
+from torchpipe.distributed.memory import memory_of
 
 
 class _Channel:
@@ -29,14 +29,14 @@ def _until(condition: Any, seconds: float = 5.0) -> bool:
 
 def test_a_channel_keeps_one_receiving_thread_per_peer_from_step_to_step() -> None:
     channel = _Channel(1001)
-    first = _receiving_thread(channel, 1)  # type: ignore[arg-type]
+    first = memory_of(channel).receiving.of(1)  # type: ignore[arg-type]
     ran: List[str] = []
     assert first.start(lambda: ran.append("step 1")).wait(5)
-    again = _receiving_thread(channel, 1)  # type: ignore[arg-type]
+    again = memory_of(channel).receiving.of(1)  # type: ignore[arg-type]
     assert again is first
     assert again.start(lambda: ran.append("step 2")).wait(5)
     assert ran == ["step 1", "step 2"]
-    assert _receiving_thread(channel, 2) is not first  # type: ignore[arg-type]
+    assert memory_of(channel).receiving.of(2) is not first  # type: ignore[arg-type]
     assert len(_alive("torchpipe-recv-1-to-1001")) == 1
 
 
@@ -45,9 +45,9 @@ def test_a_thread_still_busy_with_an_earlier_step_is_replaced_and_then_ends() ->
     # step must not queue behind it.
     channel = _Channel(1002)
     gate = threading.Event()
-    stuck = _receiving_thread(channel, 1)  # type: ignore[arg-type]
+    stuck = memory_of(channel).receiving.of(1)  # type: ignore[arg-type]
     ended = stuck.start(lambda: None if gate.wait() else None)
-    fresh = _receiving_thread(channel, 1)  # type: ignore[arg-type]
+    fresh = memory_of(channel).receiving.of(1)  # type: ignore[arg-type]
     assert fresh is not stuck
     assert fresh.start(lambda: None).wait(5)
     assert len(_alive("torchpipe-recv-1-to-1002")) == 2
@@ -59,7 +59,7 @@ def test_a_thread_still_busy_with_an_earlier_step_is_replaced_and_then_ends() ->
 def test_the_threads_end_when_their_channel_is_gone() -> None:
     channel = _Channel(1003)
     for peer in (0, 1):
-        assert _receiving_thread(channel, peer).start(lambda: None).wait(5)  # type: ignore[arg-type]
+        assert memory_of(channel).receiving.of(peer).start(lambda: None).wait(5)  # type: ignore[arg-type]
     del channel
     gc.collect()
     assert _until(lambda: not _alive("torchpipe-recv-0-to-1003") and not _alive("torchpipe-recv-1-to-1003"))

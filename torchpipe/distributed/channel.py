@@ -141,7 +141,7 @@ class Channel:
         self.control, self.data = self.up
         down = self._gloo(f"pipeline/{replica}/down", self.rank, self.size)
         #: The same for messages to a lower rank: a gloo group of their own (see [Note: a group for each
-        #: direction] in torchpipe/distributed/transport.py); CUDA tensors go through the one NCCL group.
+        #: direction] in torchpipe/distributed/routes.py); CUDA tensors go through the one NCCL group.
         self.down: Tuple[Any, Any] = (down, self.data if self.device.type == "cuda" else down)
         self.sequence = 0
         # Rank 0's wait for the others to leave the store polls it, more rarely as it goes on, at most this far
@@ -154,14 +154,6 @@ class Channel:
         self.collectives = False
         #: Whether steps without backward start collectives too (FSDP2 gathers the parameters of every step).
         self.collectives_without_grad = False
-        #: The layout of each message the last time it crossed, by (source rank, target rank, edge) (see
-        #: [Note: expected layouts] in torchpipe/distributed/transport.py).
-        self.layouts: Dict[Tuple[int, int, Any], Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]] = {}
-        #: The packed buffer of each small message this rank sends, by (target rank, edge), refilled step after
-        #: step (see [Note: packed messages] in torchpipe/distributed/transport.py).
-        self.outboxes: Dict[Tuple[int, Any], Any] = {}
-        #: The transport's routes of each schedule this rank ran, by the schedule's id (with the schedule).
-        self.routes: Dict[int, Tuple[Any, Any]] = {}
 
     def _groups(self, name: str, rank: int, size: int) -> Tuple[Any, Any]:
         """Process groups of this pipeline's own, named ``name`` (every member passes the same name): gloo for

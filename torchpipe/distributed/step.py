@@ -17,9 +17,10 @@ from torch import Tensor
 from torchpipe import microbatch
 from torchpipe.distributed import wire
 from torchpipe.distributed.channel import Channel, PipelineError
+from torchpipe.distributed.failure import error_text
 from torchpipe.distributed.transport import DistributedTransport
 from torchpipe.microbatch import Batch
-from torchpipe.runtime import Runner
+from torchpipe.runtime import Plan, Runner
 from torchpipe.runtime.driver import Progress, abort, begin, drive, end
 from torchpipe.runtime.loss import Loss, loss_weights, split_target
 from torchpipe.runtime.step import Timings
@@ -27,13 +28,6 @@ from torchpipe.runtime.transport import Aborted
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["distributed_step"]
-
-
-def _error_text(error: BaseException) -> str:
-    """An error as a failure's record names it: its type, then its message if it has one (a KeyboardInterrupt
-    has none)."""
-    message = str(error)
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _describe(training: bool) -> str:
@@ -86,14 +80,17 @@ def distributed_step(
         if loss is not None:
             total = sum(int(n) for values in shapes.values() for n in values[2:])
             step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
-        runner.plan(len(batches), checkpoint_stop(len(batches)))  # a schedule that fails, fails before the transport
-        making_transport = True  # the step's transport is made with it (see _failed_before_actions)
+
+        def transport_for(made: Plan) -> DistributedTransport:
+            nonlocal making_transport
+            making_transport = True  # a second one beside it would post the receives twice: _failed_before_actions
+            return DistributedTransport(channel, sequence, made.schedule if training else made.forward, made.sends,
+                                        devices)
+
         step = runner.new_step(
             batches, grad_enabled=training, training=module_training,
             checkpoint_stop=checkpoint_stop(len(batches)), loss=step_loss, sequence=sequence,
-            transport=lambda made: DistributedTransport(
-                channel, sequence, made.schedule if training else made.forward, made.sends, devices
-            ),
+            transport=transport_for,
         )
         step.timings = timings
         plan = step.plan.schedule if training else step.plan.forward
@@ -130,7 +127,7 @@ def distributed_step(
     except BaseException as exc:
         if not isinstance(exc, (PipelineError, Aborted)):  # this rank's own failure: the others learn it first
             where = f"action {progress.current}" if progress.current is not None else "its step"
-            channel.fail(sequence, f"rank {channel.who} failed in {where}: {_error_text(exc)}")
+            channel.fail(sequence, f"rank {channel.who} failed in {where}: {error_text(exc)}")
         transport.fail()
         if committed:
             abort(step)  # the collectives this rank still owes, before it leaves the step
@@ -167,7 +164,7 @@ def _failed_before_actions(
     does (:func:`_abandon`), unless its transport was being made (a second one beside it would post the step's
     receives twice). Then it leaves the store (see [Note: leaving the store])."""
     if not isinstance(error, PipelineError):  # the first record stands (a disagreement on the mode's, say)
-        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {_error_text(error)}")
+        channel.fail(sequence, f"rank {channel.who} failed to begin its step: {error_text(error)}")
     # After the failure's marks the start is there for good: the replica's start, or the mark, written first.
     start = None if making_transport else channel.published(sequence, "start")
     if start is not None:
@@ -220,7 +217,7 @@ def _start(
                 raise ValueError(f"rank {channel.who} runs the first stage: it must pass the mini-batch's input")
             inputs, split = microbatch.split_input(input, devices[0], chunks)
         except BaseException as exc:
-            channel.fail(sequence, f"rank {channel.who} could not split its input: {_error_text(exc)}")
+            channel.fail(sequence, f"rank {channel.who} could not split its input: {error_text(exc)}")
             raise
         sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
         mine = [float(len(split)), float(training)] + sizes

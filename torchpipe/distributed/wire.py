@@ -8,7 +8,7 @@ an abort). The receiver may guess the layout from the message's last
 crossing to post its receives early, but the header always says what the
 message is, so a shorter sequence or an uneven last micro-batch can never be
 received into a stale buffer (see [Note: expected layouts] in
-``distributed/transport.py``).
+``distributed/packing.py``).
 """
 import ctypes
 import enum
@@ -165,7 +165,7 @@ def packed_bytes(layout: Layout) -> int:
 
 def pack(header: Tensor, tensors: Optional[Sequence[Tensor]], layout: Layout) -> Tensor:
     """One byte buffer that carries ``header`` and then ``tensors`` (of ``layout``) on CPU, for one send in
-    place of one per tensor (see [Note: packed messages] in ``distributed/transport.py``). With ``tensors``
+    place of one per tensor (see [Note: packed messages] in ``distributed/packing.py``). With ``tensors``
     None the tensors' bytes are left as they are: a filler of that layout's size."""
     extents, total = _extents(layout)
     if tensors is None:

@@ -101,17 +101,19 @@ class Runner:
         transport: Optional[Callable[[Plan], Transport]] = None,
     ) -> Step:
         """A step of ``batches`` (micro-batches; None for those of other ranks) on this pipeline's plan for its
-        shape; its messages go through ``transport(plan)`` (default: this process's mailbox)."""
+        shape; its messages go through ``transport(plan)``, made once the step is (default: this process's
+        mailbox)."""
         plan = self.plan(len(batches), checkpoint_stop)
         streams = [current_stream(d) for d in self.stages.devices]
-        made = transport(plan) if transport is not None else LocalTransport(self.stages, streams)
         trains = grad_enabled and loss is not None
-        return Step(
-            self.stages, plan, made, streams, batches,
+        step = Step(
+            self.stages, plan, streams, batches,
             hooks=[h for h in self.hooks if trains or h.without_grad], grad_enabled=grad_enabled,
             training=training, checkpoint_stop=checkpoint_stop, loss=loss, watch_inputs=watch_inputs,
             sequence=sequence,
         )
+        step.transport = transport(plan) if transport is not None else LocalTransport(self.stages, streams)
+        return step
 
     # --- phases ----------------------------------------------------------------------------------------
 

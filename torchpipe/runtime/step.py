@@ -143,14 +143,16 @@ class Step:
     A step holds its :class:`~torchpipe.runtime.stages.Stages` (and so their
     workers: see [Note: worker lifetime]); GPipe's autograd function holds the
     step until its backward. :meth:`Runner.new_step
-    <torchpipe.runtime.runner.Runner.new_step>` makes one.
+    <torchpipe.runtime.runner.Runner.new_step>` makes one, then its transport.
     """
+
+    #: How the step's actions exchange messages: given by its maker, once the step is made.
+    transport: Transport
 
     def __init__(
         self,
         stages: Stages,
         plan: "Plan",
-        transport: Transport,
         streams: List[AbstractStream],
         batches: Sequence[Optional[Batch]],
         *,
@@ -164,7 +166,6 @@ class Step:
     ) -> None:
         self.stages = stages
         self.plan = plan
-        self.transport = transport
         #: The stream each stage's actions run on (the caller's current one on its device).
         self.streams = streams
         #: When measuring (see [Note: zero-bubble placement]): each action's duration, by (stage, kind).

@@ -81,7 +81,7 @@ def sends(action: Action, stages: int, layout: SkipLayout) -> Tuple[Edge, ...]:
     a split one) sends the gradients of the skips it popped back to their
     stashing stages, then its input's gradient to the previous stage. Across
     processes the receiving rank posts its receives in this order (see
-    [Note: message order] in ``distributed/transport.py``).
+    [Note: message order] in ``distributed/routes.py``).
     """
     s, i = action.stage, action.microbatch
     edges: List[Edge] = []
