@@ -9,15 +9,12 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchpipe
-from tests.models import build
+from tests.models import DEVICES, build
 
 # What may follow a layer that returns a tensor / a (tensor, tensor) pair / a (tensor, index) pair.
 AFTER_TENSOR = ["linear", "relu", "tanh", "norm", "fork", "index"]
 AFTER_PAIR = ["both", "join"]
 AFTER_INDEXED = ["use_index"]
-#: The device of every partition: the CPU, and the first GPU where there is one. The GPU's cases are marked
-#: ``cuda``, so ``pytest -m cuda`` runs them (as benchmarks/gpu_check.py does).
-DEVICES = ["cpu"] + ([pytest.param("cuda:0", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
 
 
 @st.composite
