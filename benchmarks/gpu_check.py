@@ -247,6 +247,8 @@ def header(args: argparse.Namespace) -> Dict[str, Any]:
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dry_run": args.dry_run, "device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None, "python": platform.python_version(),
+        # 'highest': float32 products in float32 (PyTorch's default); 'high': in TF32.
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "transformers": package_version("transformers"), "pytest": package_version("pytest"),
         "commit": git_commit(), "source_fingerprint": source_fingerprint(),
         "machine": common.machine_description(), "budget_s": args.budget,

@@ -15,6 +15,11 @@ def number(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def scientific(value: Any) -> str:
+    """A small figure (an error, a difference) as ``1.2e-03``; None (not finite, or not measured): ``n/a``."""
+    return "n/a" if value is None else f"{value:.1e}"
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -51,8 +56,8 @@ def schedules_table(results: Mapping[str, Any]) -> List[str]:
     checks = results.get("checks", {})
     if checks:
         lines += ["", *table(["schedule", "loss", "plain loss", "loss rel. diff", "largest grad rel. err"],
-                             [[name, number(c["loss"], 6), number(c["plain_loss"], 6), f"{c['loss_rel_diff']:.1e}",
-                               "n/a" if c["grad_max_rel_err"] is None else f"{c['grad_max_rel_err']:.1e}"]
+                             [[name, number(c["loss"], 6), number(c["plain_loss"], 6), scientific(c["loss_rel_diff"]),
+                               scientific(c["grad_max_rel_err"])]
                               for name, c in checks.items()])]
     return lines
 
@@ -62,10 +67,8 @@ def language_models_table(results: Mapping[str, Any]) -> List[str]:
     rows = []
     for name, c in results.get("models", {}).items():
         rows.append([name, number(c["ok"]), number(c["loss_plain"], 4), number(c["loss_pipeline"], 4),
-                     f"{c['loss_rel_diff']:.1e}",
-                     "n/a" if c["grad_max_rel_err"] is None else f"{c['grad_max_rel_err']:.1e}",
-                     "n/a" if c["bf16_vs_float32_grad_max_rel_err"] is None
-                     else f"{c['bf16_vs_float32_grad_max_rel_err']:.1e}",
+                     scientific(c["loss_rel_diff"]), scientific(c["grad_max_rel_err"]),
+                     scientific(c["bf16_vs_float32_grad_max_rel_err"]),
                      number(c.get("tokens_per_s_plain"), 0), number(c.get("tokens_per_s_pipeline"), 0),
                      number(c.get("peak_mib_plain"), 1), number(c.get("peak_mib_pipeline"), 1)])
     lines += table(["model", "within tolerance", "loss plain", "loss Pipeline", "loss rel. diff",
@@ -102,7 +105,8 @@ def markdown(report: Mapping[str, Any]) -> str:
     lines = [f"# torchpipe GPU check{' (dry run on the CPU)' if h['dry_run'] else ''}", ""]
     lines += table(["", ""], [
         ["device", h["device"]],
-        ["torch", f"{h['torch']}, CUDA {h['cuda'] or 'none'}, cuDNN {h['cudnn'] or 'none'}"],
+        ["torch", f"{h['torch']}, CUDA {h['cuda'] or 'none'}, cuDNN {h['cudnn'] or 'none'}; float32 matmul "
+                  f"precision {h.get('float32_matmul_precision', 'n/a')}"],
         ["python", h["python"]],
         ["transformers, pytest", f"{h['transformers'] or 'not installed'}, {h['pytest'] or 'not installed'}"],
         ["commit", h["commit"] or "unknown (no git checkout here)"],

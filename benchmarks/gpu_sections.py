@@ -413,12 +413,13 @@ def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: 
     errors = {key: relative_error(p.grad, grads[key]) if p.grad is not None and key in grads else math.inf
               for key, p in pipe.named_parameters()}
     worst = max(errors.values(), default=math.inf)
-    check = {"stages": stages, "loss": got, "plain_loss": loss, "loss_rel_diff": abs(got - loss) / abs(loss),
+    loss_rel_diff = abs(got - loss) / abs(loss)
+    check = {"stages": stages, "loss": finite(got), "plain_loss": loss, "loss_rel_diff": finite(loss_rel_diff),
              "grad_max_rel_err": finite(worst)}
     child.results.setdefault("checks", {})[name] = check
-    if check["loss_rel_diff"] > FLOAT32_RTOL or not worst <= FLOAT32_RTOL:
+    if not (loss_rel_diff <= FLOAT32_RTOL and worst <= FLOAT32_RTOL):  # NaN fails too
         child.error(name, f"the Pipeline's loss {got:.6g} or gradients differ from the plain module's (loss "
-                          f"{loss:.6g}, relative {check['loss_rel_diff']:.2e}; the largest gradient's relative error "
+                          f"{loss:.6g}, relative {loss_rel_diff:.2e}; the largest gradient's relative error "
                           f"{worst:.2e}; tolerance {FLOAT32_RTOL:.0e})")
     drop_grads(pipe)
     if name == "zero_bubble":  # its placement is chosen on its first steps: timed after them
@@ -528,18 +529,19 @@ def language_model_unit(child: Child, name: str) -> None:
     worst = max(errors, key=lambda key: errors[key])
     bf16_cost = max(relative_error(plain_grads[key], reference_grads[key]) for key in plain_grads)
     drop_grads(pipe)
+    loss_rel_diff = abs(pipe_loss - plain_loss) / abs(plain_loss)
     check = {
         "parameters": len(pipe_grads), "cut": cut, "layers_traced": len(sequential),
-        "loss_plain": plain_loss, "loss_pipeline": pipe_loss, "loss_float32": reference_loss,
-        "loss_rel_diff": abs(pipe_loss - plain_loss) / abs(plain_loss),
-        "grad_max_rel_err": finite(errors[worst]), "worst_parameter": worst,
+        "loss_plain": finite(plain_loss), "loss_pipeline": finite(pipe_loss), "loss_float32": finite(reference_loss),
+        "loss_rel_diff": finite(loss_rel_diff), "grad_max_rel_err": finite(errors[worst]), "worst_parameter": worst,
         "bf16_vs_float32_grad_max_rel_err": finite(bf16_cost), "missing_gradients": missing,
+        # NaN fails too.
+        "ok": bool(loss_rel_diff <= LOSS_RTOL and errors[worst] <= GRAD_RTOL and not missing),
     }
-    check["ok"] = (check["loss_rel_diff"] <= LOSS_RTOL and errors[worst] <= GRAD_RTOL and not missing)
     child.results.setdefault("models", {})[name] = check
     if not check["ok"]:
         child.error(name, f"the Pipeline's loss {pipe_loss:.5g} or gradients differ from the plain model's in bf16 "
-                          f"beyond the tolerances (loss {plain_loss:.5g}, relative {check['loss_rel_diff']:.2e} > "
+                          f"beyond the tolerances (loss {plain_loss:.5g}, relative {loss_rel_diff:.2e} > "
                           f"{LOSS_RTOL:.0e}?; gradient of {worst} relative {errors[worst]:.2e} > {GRAD_RTOL:.0e}?; "
                           f"without a gradient: {missing or 'none'})")
 
