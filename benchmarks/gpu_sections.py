@@ -196,27 +196,32 @@ def drop_grads(module: nn.Module) -> None:
 
 
 class TestRecorder:
-    """A pytest plugin: every test's outcome, saved to the section's results as each test ends."""
+    """A pytest plugin: every test's outcome, saved to the section's results as each test starts and ends (a test
+    that crashes the process or hangs stays ``running``)."""
 
     def __init__(self, child: Child) -> None:
         self.child = child
         self.tests: Dict[str, Dict[str, Any]] = {}
         child.results["tests"] = self.tests
 
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.tests[nodeid] = {"outcome": "running", "seconds": 0.0}
+        self.child.save()
+
     def pytest_runtest_logreport(self, report: Any) -> None:
-        entry = self.tests.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+        entry = self.tests.setdefault(report.nodeid, {"outcome": "running", "seconds": 0.0})
         entry["seconds"] += report.duration
         if report.failed:
             # A failure in the call is the test's; one in set-up or tear-down is an error, as pytest counts it.
             entry["outcome"] = "failed" if report.when == "call" else "error"
             self.child.errors.append({"unit": report.nodeid, "error": tail(str(report.longrepr), 15)})
-        elif report.skipped and entry["outcome"] == "passed":
+        elif report.skipped and entry["outcome"] == "running":
             entry["outcome"] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
             if isinstance(report.longrepr, tuple):  # (file, line, "Skipped: reason")
                 entry["reason"] = str(report.longrepr[2]).removeprefix("Skipped: ")
-        elif report.passed and report.when == "call" and hasattr(report, "wasxfail"):
-            entry["outcome"] = "xpassed"
-        if report.when == "teardown" or entry["outcome"] != "passed":
+        elif report.when == "call" and entry["outcome"] == "running":
+            entry["outcome"] = "xpassed" if hasattr(report, "wasxfail") else "passed"
+        if report.when == "teardown":
             self.child.save()
 
     def pytest_collectreport(self, report: Any) -> None:

@@ -210,6 +210,31 @@ def test_the_test_recorder_tells_every_outcome_apart(tmp_path: Path) -> None:
     assert "one is not two" in errors["test_fails"] and "OSError: no device" in errors["test_errors"]
 
 
+def test_a_test_that_hangs_is_left_running_and_the_ones_before_it_are_kept(tmp_path: Path) -> None:
+    (tmp_path / "test_hang.py").write_text(textwrap.dedent("""
+        import time
+
+        def test_first():
+            pass
+
+        def test_hangs():
+            time.sleep(300)
+    """))
+    code = textwrap.dedent(f"""
+        import dataclasses, time, torch
+        from pathlib import Path
+        from benchmarks import gpu_check, gpu_sections
+        sizes = dataclasses.replace(gpu_sections.DRY, pytest_args=({str(tmp_path / "test_hang.py")!r}, "-p",
+                                                                    "no:timeout"))
+        result = Path({str(tmp_path / "result.json")!r})
+        gpu_check.SECTIONS["tests"].run(gpu_sections.Child(result, sizes, torch.device("cpu"), time.time() + 60))
+    """)
+    outcome = gpu_check.run_child([sys.executable, "-c", code], tmp_path / "result.json", 12, environment())
+    assert outcome.status == "timed out"
+    assert {test.split("::")[1]: entry["outcome"] for test, entry in outcome.results["tests"].items()} == {
+        "test_first": "passed", "test_hangs": "running"}
+
+
 def test_each_section_gets_its_share_and_what_the_others_left() -> None:
     assert gpu_check.allowance(0.1, 480, 0, 400) == pytest.approx(48)
     assert gpu_check.allowance(0.1, 480, 30, 400) == pytest.approx(78)
