@@ -1,7 +1,8 @@
 # The commands of the README: `make run` (a pipelined training run), `make test`,
 # `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun) and
 # `make run-mesh` (two data-parallel replicas of a two-stage Pipeline: four processes on a 2 x 2 mesh);
-# `make run-lm` and `make run-lm-distributed` train a small language model (examples/train_lm.py).
+# `make run-lm` and `make run-lm-distributed` train a small language model (examples/train_lm.py); `make gpu-check`
+# checks and measures the CUDA paths on a machine with a GPU (benchmarks/gpu_check.py).
 # Each creates .venv and installs what it needs on its own.
 #
 # TORCH is the PyTorch requirement installed into the virtualenv. The default is the
@@ -12,7 +13,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchpipe-installed
 
-.PHONY: run run-distributed run-mesh run-lm run-lm-distributed test lint typecheck unit unit-kernels bench docs clean
+.PHONY: run run-distributed run-mesh run-lm run-lm-distributed test lint typecheck unit unit-kernels bench gpu-check docs clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -63,6 +64,13 @@ test: lint typecheck unit unit-kernels docs
 # Every benchmark on the small preset (about 6.5 minutes on 2 cores); results in out/bench.
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py --out out/bench
+
+# The GPU check (benchmarks/gpu_check.py), for a machine with a GPU: the CUDA tests, GPipe, every schedule and
+# GPT-2/Llama on cuda:0, and the multi-process CPU benchmark, within 8 minutes; the report in out/gpu-check
+# (report.md, report.json). ARGS="--dry-run" runs the same sections on the CPU with tiny sizes (about a minute).
+# Where nothing can be installed (the lent GPU machines): PYTHONPATH=. python3 benchmarks/gpu_check.py --out DIR
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py --out out/gpu-check $(ARGS)
 
 # The Sphinx site, into docs/_build/html; any warning fails the build.
 docs: $(STAMP)

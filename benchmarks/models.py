@@ -19,6 +19,10 @@ of one mini-batch. Layers are flat so that a balancer has many places to cut:
   cells' outputs as a tuple ``(prev, cur)``, sums pairs of parallel ops
   (separable convolutions, pooling, 1x7/7x1 convolutions), concatenates the
   sums and returns ``(cur, new)``.
+
+Two builders take sizes instead of a preset: :func:`mlp` (Linear+ReLU pairs)
+and :func:`transformer` (encoder blocks on token ids), for the overhead,
+schedule and GPU-check benchmarks.
 """
 import importlib
 from dataclasses import dataclass
@@ -41,6 +45,8 @@ __all__ = [
     "torchvision_module",
     "unet",
     "amoebanet",
+    "mlp",
+    "transformer",
     "skip_api",
     "copy_weights",
 ]
@@ -81,6 +87,19 @@ def mlp(layers: int = 32, width: int = 512) -> nn.Sequential:
     for _ in range(layers):
         modules += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*modules)
+
+
+def transformer(layers: int = 4, width: int = 256, heads: int = 4, vocab: int = 1024) -> nn.Sequential:
+    """A small transformer on token ids (seed 0): an embedding, ``layers`` pre-norm encoder blocks (self-attention
+    and a feed-forward of ``4 * width``, no dropout), a LayerNorm and the output projection to ``vocab`` logits.
+
+    No positional encoding and no causal mask: it stands for a transformer's work (attention, matrix products,
+    norms), not for a language model; ``(batch, length)`` ids in, ``(batch, length, vocab)`` logits out.
+    """
+    torch.manual_seed(0)
+    blocks = [nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+              for _ in range(layers)]
+    return nn.Sequential(nn.Embedding(vocab, width), *blocks, nn.LayerNorm(width), nn.Linear(width, vocab))
 
 
 def conv_bn_relu(cin: int, cout: int, kernel: int = 3, stride: int = 1) -> nn.Sequential:

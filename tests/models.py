@@ -2,10 +2,15 @@
 import time
 from typing import Any, List, Tuple
 
+import pytest
 import torch
 from torch import Tensor, nn
 
 from torchpipe.skip import Namespace, pop, skippable, stash
+
+#: The device of every partition in the transparency tests: the CPU, and the first GPU where there is one. The
+#: GPU's cases are marked ``cuda``, so ``pytest -m cuda`` runs them (as benchmarks/gpu_check.py does).
+DEVICES = ["cpu"] + ([pytest.param("cuda:0", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
 
 
 class Fork(nn.Module):

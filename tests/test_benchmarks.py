@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import common, models  # noqa: E402
 
 MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
-           "language_model", "lm_pipeline", "mesh"]
+           "language_model", "lm_pipeline", "mesh", "gpu_check", "gpu_sections", "gpu_report"]
 
 
 def has(module: str) -> bool:

@@ -4,6 +4,7 @@ Every test here is marked ``cuda`` and skipped without a GPU (see conftest.py). 
 deadlock tests carry a timeout so that a deadlock fails instead of hanging.
 """
 import copy
+import os
 from typing import List
 
 import pytest
@@ -16,7 +17,12 @@ from torchpipe.skip import pop, skippable, stash
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
 
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+#: The device of the second partition in the tests of two GPUs: ``cuda:1``, or the first GPU again where
+#: ``TORCHPIPE_SECOND_GPU=cuda:0`` (benchmarks/gpu_check.py sets it on a machine with one GPU), so that those tests
+#: run there too: their copies go between two streams of one device instead of between two devices.
+SECOND_GPU = torch.device(os.environ.get("TORCHPIPE_SECOND_GPU", "cuda:1"))
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() <= (SECOND_GPU.index or 0),
+                              reason=f"needs {SECOND_GPU} (TORCHPIPE_SECOND_GPU=cuda:0 puts it on the first GPU)")
 
 
 def model() -> nn.Sequential:
@@ -61,8 +67,8 @@ def test_cpu_partition_then_gpu_partition(checkpoint: str) -> None:
 @TWO_GPUS
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_two_gpus(checkpoint: str) -> None:
-    piped = check(["cuda:0", "cuda:1"], checkpoint)
-    assert next(piped.partitions[1].parameters()).device == torch.device("cuda:1")
+    piped = check(["cuda:0", str(SECOND_GPU)], checkpoint)
+    assert next(piped.partitions[1].parameters()).device == SECOND_GPU
 
 
 def test_default_devices_are_gpus() -> None:
@@ -99,7 +105,7 @@ def test_copies_wait_for_the_producer(devices: List[str]) -> None:
 
 @TWO_GPUS
 def test_copies_between_gpus_wait_for_the_producer() -> None:
-    piped = GPipe(nn.Sequential(SlowWrite(), nn.Identity()), [1, 1], devices=["cuda:0", "cuda:1"], chunks=4)
+    piped = GPipe(nn.Sequential(SlowWrite(), nn.Identity()), [1, 1], devices=["cuda:0", str(SECOND_GPU)], chunks=4)
     x = torch.randn(8, 4, device="cuda:0")
     assert torch.equal(piped(x).to("cuda:0"), x * 3)
 
@@ -189,7 +195,7 @@ def test_pipeline_on_one_gpu_and_on_a_gpu_then_the_cpu(schedule: str, checkpoint
 @TWO_GPUS
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
 def test_pipeline_on_two_gpus(schedule: str) -> None:
-    check_pipeline(["cuda:0", "cuda:1"], schedule, "except_last")
+    check_pipeline(["cuda:0", str(SECOND_GPU)], schedule, "except_last")
 
 
 def test_one_gpipe_on_a_gpu_trained_from_several_threads_gets_every_gradient() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchpipe
-from tests.models import Pop, RaisesInBackward, Stash, UseMask, WithMask
+from tests.models import DEVICES, Pop, RaisesInBackward, Stash, UseMask, WithMask
 from torchpipe import Pipeline, trace
 from torchpipe.runtime.tune import TRIAL_STEPS, SplitTuner
 from torchpipe.schedule import Kind, Schedule
@@ -60,12 +60,15 @@ def compare(
     batches: List[Tuple[Tensor, Tensor]],
     *,
     devices: Optional[List[str]] = None,
+    device: str = "cpu",
 ) -> None:
-    """Runs each (input, target) through the Pipeline and the plain module; losses and .grad equal after each."""
-    plain = copy.deepcopy(model)
+    """Runs each (input, target) through the Pipeline and the plain module (on ``device``); losses and .grad equal
+    after each."""
+    plain = copy.deepcopy(model).to(device)
     pipe = Pipeline(model, balance, chunks=chunks, schedule=schedule, loss_fn=mse, checkpoint=checkpoint,
                     devices=devices)
     for x, y in batches:
+        x, y = x.to(device), y.to(device)
         expected = mse(plain(x), y)
         expected.backward()
         loss = pipe.step(x, y)
@@ -77,8 +80,12 @@ def compare(
                 assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-6), name
 
 
-def devices_for(schedule: str, stages: int) -> Optional[List[str]]:
-    return ["cpu"] * (stages // 2) if schedule == "interleaved_1f1b" else None
+def devices_for(schedule: str, stages: int, device: str = "cpu") -> Optional[List[str]]:
+    """Every worker on ``device``: one per stage, one per two stages for interleaved 1F1B (None: the default, all
+    'cpu' without CUDA)."""
+    if schedule == "interleaved_1f1b":
+        return [device] * (stages // 2)
+    return [device] * stages if device != "cpu" else None
 
 
 @given(
@@ -89,8 +96,9 @@ def devices_for(schedule: str, stages: int) -> Optional[List[str]]:
     batch=st.integers(1, 12),
     features=st.sampled_from(["plain", "skips", "mask"]),
 )
+@pytest.mark.parametrize("device", DEVICES)
 def test_every_schedule_is_transparent(
-    schedule: str, checkpoint: str, stages: int, chunks: int, batch: int, features: str
+    schedule: str, checkpoint: str, stages: int, chunks: int, batch: int, features: str, device: str
 ) -> None:
     if schedule == "interleaved_1f1b" and stages % 2:
         stages += 1
@@ -98,7 +106,7 @@ def test_every_schedule_is_transparent(
     model = model_for(layers, skips=features == "skips", mask=features == "mask")
     x, y = torch.randn(batch, 6), torch.randn(batch, 6)
     compare(model, split(layers, stages), schedule, chunks, checkpoint, [(x, y)],
-            devices=devices_for(schedule, stages))
+            devices=devices_for(schedule, stages, device), device=device)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

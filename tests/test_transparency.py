@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchpipe
-from tests.models import build
+from tests.models import DEVICES, build
 
 # What may follow a layer that returns a tensor / a (tensor, tensor) pair / a (tensor, index) pair.
 AFTER_TENSOR = ["linear", "relu", "tanh", "norm", "fork", "index"]
@@ -48,17 +48,20 @@ def flatten(output: object) -> List[Tensor]:
 
 
 def loss_of(output: object) -> Tensor:
-    return sum((t.float().pow(2).sum() for t in flatten(output) if t.is_floating_point()), torch.zeros(()))
+    tensors = flatten(output)
+    zero = torch.zeros((), device=tensors[0].device)
+    return sum((t.float().pow(2).sum() for t in tensors if t.is_floating_point()), zero)
 
 
 def check_transparent(
-    model: nn.Sequential, balance: List[int], chunks: int, checkpoint: str, input: Tuple[Tensor, ...]
+    model: nn.Sequential, balance: List[int], chunks: int, checkpoint: str, input: Tuple[Tensor, ...],
+    device: str = "cpu",
 ) -> None:
-    plain = copy.deepcopy(model)
-    piped = torchpipe.GPipe(model, balance, devices=["cpu"] * len(balance), chunks=chunks, checkpoint=checkpoint)
+    plain = copy.deepcopy(model).to(device)
+    piped = torchpipe.GPipe(model, balance, devices=[device] * len(balance), chunks=chunks, checkpoint=checkpoint)
 
-    x_plain = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in input)
-    x_piped = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in input)
+    x_plain = tuple(t.detach().to(device, copy=True).requires_grad_(t.is_floating_point()) for t in input)
+    x_piped = tuple(t.detach().to(device, copy=True).requires_grad_(t.is_floating_point()) for t in input)
     arg_plain = x_plain[0] if len(x_plain) == 1 else x_plain
     arg_piped = x_piped[0] if len(x_piped) == 1 else x_piped
 
@@ -92,8 +95,9 @@ def check_transparent(
     chunks=st.integers(1, 10),
     checkpoint=st.sampled_from(["always", "except_last", "never"]),
 )
+@pytest.mark.parametrize("device", DEVICES)
 def test_random_models_are_transparent(
-    spec: Tuple[List[str], bool], data: st.DataObject, batch: int, chunks: int, checkpoint: str
+    spec: Tuple[List[str], bool], data: st.DataObject, batch: int, chunks: int, checkpoint: str, device: str
 ) -> None:
     kinds, tuple_input = spec
     width = 4
@@ -105,19 +109,21 @@ def test_random_models_are_transparent(
     balance = data.draw(balances(len(kinds)))
     x = torch.randn(batch, width, dtype=torch.float64)
     input = (x, torch.randn(batch, width, dtype=torch.float64)) if tuple_input else (x,)
-    check_transparent(model, balance, chunks, checkpoint, input)
+    check_transparent(model, balance, chunks, checkpoint, input, device)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("chunks", [1, 3, 4, 16])
-def test_mlp_over_three_partitions(checkpoint: str, chunks: int) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_mlp_over_three_partitions(checkpoint: str, chunks: int, device: str) -> None:
     model = build(["linear", "relu", "linear", "relu_", "linear", "tanh", "linear"], 6)
-    check_transparent(model, [2, 3, 2], chunks, checkpoint, (torch.randn(10, 6),))
+    check_transparent(model, [2, 3, 2], chunks, checkpoint, (torch.randn(10, 6),), device)
 
 
-def test_input_without_grad_gets_no_grad_but_parameters_do() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_input_without_grad_gets_no_grad_but_parameters_do(device: str) -> None:
     model = build(["linear", "relu", "linear"], 4)
-    piped = torchpipe.GPipe(model, [1, 2], devices=["cpu", "cpu"], chunks=2)
+    piped = torchpipe.GPipe(model, [1, 2], devices=[device, device], chunks=2)
     x = torch.randn(6, 4)
     out = piped(x)
     assert out.requires_grad
@@ -135,14 +141,15 @@ def test_frozen_model_and_plain_input_give_output_without_grad() -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_dropout_draws_the_same_numbers_in_recomputation(checkpoint: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_draws_the_same_numbers_in_recomputation(checkpoint: str, device: str) -> None:
     # Gradients through dropout are right only if the recomputation's mask is the first forward's. Without
     # checkpointing there is no recomputation, and every micro-batch draws from its own stream, whatever
     # the checkpoint mode: so every mode gives the outputs and gradients of checkpoint='never'.
     def run(mode: str, seed: int = 7) -> Tuple[Tensor, List[Tensor]]:
         torch.manual_seed(3)
         model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
-        piped = torchpipe.GPipe(model, [2, 3], devices=["cpu", "cpu"], chunks=4, checkpoint=mode)
+        piped = torchpipe.GPipe(model, [2, 3], devices=[device, device], chunks=4, checkpoint=mode)
         x = torch.randn(16, 8)
         torch.manual_seed(seed)
         out = piped(x)
@@ -158,7 +165,10 @@ def test_dropout_draws_the_same_numbers_in_recomputation(checkpoint: str) -> Non
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_dropout_masks_match_between_forward_and_recomputation_with_many_microbatches(checkpoint: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_masks_match_between_forward_and_recomputation_with_many_microbatches(
+    checkpoint: str, device: str
+) -> None:
     # A layer records the dropout mask it saw in the first forward and in the recomputation.
     seen: dict = {}
 
@@ -169,7 +179,7 @@ def test_dropout_masks_match_between_forward_and_recomputation_with_many_microba
             return x
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), Spy(), nn.Linear(8, 8), nn.Dropout(0.5), Spy())
-    piped = torchpipe.GPipe(model, [3, 3], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+    piped = torchpipe.GPipe(model, [3, 3], devices=[device, device], chunks=4, checkpoint=checkpoint)
     piped(torch.randn(16, 8) + 3).sum().backward()
     recomputed = [k for k in seen if k[2]]
     assert len(recomputed) == 2 * (4 if checkpoint == "always" else 3)
