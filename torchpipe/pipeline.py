@@ -29,7 +29,7 @@ from torchpipe.partition import (
 from torchpipe.runtime import Runner, local, weight_grad
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.runtime.tune import SplitTuner, Timings
-from torchpipe.schedule import Schedule, build
+from torchpipe.schedule import SPLITTING, Schedule, build
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
@@ -144,9 +144,9 @@ class Pipeline(nn.Module):
         ranks = None
         if group is not None and dist.is_available() and dist.is_initialized():
             ranks = dist.get_world_size(group)
-        if schedule == "zero_bubble" and not weight_grad.supported():
+        if isinstance(schedule, str) and schedule in SPLITTING and not weight_grad.supported():
             raise ValueError(
-                f"zero_bubble needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
+                f"{schedule} needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
                 "upgrade PyTorch or choose '1f1b'"
             )
         plan, workers = resolve(schedule, chunks, len(balance), devices, ranks)

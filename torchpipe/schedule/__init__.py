@@ -27,6 +27,7 @@ from torchpipe.schedule.check import DEFAULT_COSTS, Costs, Simulation, clock_cyc
 from torchpipe.schedule.generate import (
     LOOPED,
     NAMES,
+    SPLITTING,
     V_SHAPED,
     build,
     choose_split,
@@ -68,4 +69,5 @@ __all__ = [
     "NAMES",
     "LOOPED",
     "V_SHAPED",
+    "SPLITTING",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "NAMES",
     "LOOPED",
     "V_SHAPED",
+    "SPLITTING",
     "build",
 ]
 
@@ -326,6 +327,8 @@ NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "looped_bfs", "inte
          "dualpipev")
 #: The names whose stage ``s`` runs on worker ``s % workers`` (several stages per worker).
 LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+#: The names whose backwards are split (``I`` and ``W``): they need ``torch.autograd.graph.GradientEdge``.
+SPLITTING = ("zero_bubble", "interleaved_zero_bubble", "zbv", "dualpipev")
 #: The names whose ``2 * workers`` stages are placed in a V (worker ``w``: stages ``w`` and ``2W - 1 - w``).
 V_SHAPED = ("zbv", "dualpipev")
 
