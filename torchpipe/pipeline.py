@@ -58,7 +58,8 @@ class Pipeline(nn.Module):
             is the number of stages.
         chunks: the number of micro-batches.
         schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved_1f1b'``, ``'zero_bubble'``,
-            or a schedule built with :mod:`torchpipe.schedule` (a
+            ``'looped_bfs'``, ``'interleaved_zero_bubble'``, ``'zbv'``, ``'dualpipev'``
+            (see :data:`torchpipe.schedule.NAMES`), or a schedule built with :mod:`torchpipe.schedule` (a
             :class:`~torchpipe.schedule.Schedule`, or one list of actions per
             worker such as ``[['0F0', '0B0'], ['1F0', '1B0']]``) for ``chunks``
             micro-batches.
@@ -70,8 +71,8 @@ class Pipeline(nn.Module):
             (``loss_fn`` must average over its micro-batch, as PyTorch's losses
             do by default); ``'sum'``: the micro-batches' losses are added.
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``, as for GPipe.
-        devices: one device per stage (per worker for ``'interleaved_1f1b'``
-            and custom schedules), as for GPipe.
+        devices: one device per stage (per worker for several stages per worker:
+            the loop-placed and V-shaped names and custom schedules), as for GPipe.
         group: a ``torch.distributed`` process group to run one worker per
             rank; None: one process.
         deferred_batch_norm: as for GPipe.
