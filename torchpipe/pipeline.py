@@ -30,6 +30,7 @@ from torchpipe.runtime import Runner, local, weight_grad
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.runtime.tune import SplitTuner, Timings
 from torchpipe.schedule import SPLITTING, Schedule, build
+from torchpipe.schedule.auto import AutoTuner
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
@@ -59,7 +60,9 @@ class Pipeline(nn.Module):
         chunks: the number of micro-batches.
         schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved_1f1b'``, ``'zero_bubble'``,
             ``'looped_bfs'``, ``'interleaved_zero_bubble'``, ``'zbv'``, ``'dualpipev'``
-            (see :data:`torchpipe.schedule.NAMES`), or a schedule built with :mod:`torchpipe.schedule` (a
+            (see :data:`torchpipe.schedule.NAMES`), ``'auto'`` (the fastest of these for the
+            costs measured on the first step: see [Note: auto schedule]), or a
+            schedule built with :mod:`torchpipe.schedule` (a
             :class:`~torchpipe.schedule.Schedule`, or one list of actions per
             worker such as ``[['0F0', '0B0'], ['1F0', '1B0']]``) for ``chunks``
             micro-batches.
@@ -152,7 +155,10 @@ class Pipeline(nn.Module):
             )
         plan, workers = resolve(schedule, chunks, len(balance), devices, ranks)
         #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble placement]).
-        self._tuner: Optional[SplitTuner] = None
+        self._tuner: Optional[Union[SplitTuner, AutoTuner]] = None
+        if schedule == "auto":  # see [Note: auto schedule]
+            self._tuner = AutoTuner(len(balance), workers, chunks, splitting=weight_grad.supported())
+            plan = self._tuner.plan
         if schedule == "zero_bubble":
             tuner = self._tuner = SplitTuner(len(balance))
             stages_count = len(balance)
@@ -309,9 +315,11 @@ class Pipeline(nn.Module):
             if timings is not None:
                 changed = tuner.record(timings, exchange, self.chunks)
             else:
+                assert isinstance(tuner, SplitTuner), "only a zero-bubble placement is tried on timed steps"
                 changed = tuner.record_trial(time.perf_counter() - started, exchange, _rows(input))
             if changed:
                 self._runner.forget_plans()
+                self.schedule_name = self.schedule.name
         return loss
 
     def _local_stages(self) -> List[nn.Sequential]:

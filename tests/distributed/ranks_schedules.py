@@ -1,6 +1,6 @@
 """What each rank runs in the test of the loop-placed and V-shaped schedules across processes (issue 36)."""
 import copy
-from typing import Callable, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -10,6 +10,7 @@ from tests.distributed.ranks import _differences, model_for, mse
 from tests.distributed.ranks_mesh import _compare, balance_for, mesh_of
 from tests.test_ties import lm_loss, tied_lm, tokens
 from torchpipe import Pipeline
+from torchpipe.schedule.auto import AutoTuner
 
 NEW = ["looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"]
 
@@ -87,3 +88,28 @@ def v_balance_that_does_not_fit(rank: int, world: int) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def auto_choice(rank: int, world: int) -> Dict[str, Any]:
+    """schedule='auto' over 2 * world stages (the V's placement) and over world stages: every step's loss and
+    gradients, the costs every rank decided from, and its choice."""
+    problems: List[str] = []
+    choices: List[str] = []
+    costs: List[List[Any]] = []
+    for stages in (2 * world, world):
+        model = model_for(stages)
+        plain = copy.deepcopy(model)
+        pipe = Pipeline(model, [2] * stages, chunks=4, schedule="auto", loss_fn=mse, group=dist.group.WORLD)
+        params = dict(pipe.named_parameters())
+        for step in range(3):
+            torch.manual_seed(step)
+            x, y = torch.randn(8, 6), torch.randn(8, 6)
+            loss = _step(pipe, rank, x, y)
+            expected = mse(plain(x), y)
+            expected.backward()
+            problems += _differences(f"auto {stages} stages step {step}", loss, expected, plain, params)
+        tuner = pipe._tuner
+        assert isinstance(tuner, AutoTuner)
+        choices.append(pipe.schedule_name)
+        costs.append(sorted((s, kind.value, cost) for (s, kind), cost in tuner.costs.items()))
+    return {"problems": problems, "choices": choices, "costs": costs}

@@ -22,3 +22,16 @@ def test_a_v_balance_that_does_not_fit_the_ranks_is_refused_on_every_rank() -> N
     for message in ok(launch("tests.distributed.ranks_schedules:v_balance_that_does_not_fit", 2)):
         assert "zbv places 2 stages per rank in a V (rank r holds stages r and 3 - r), so balance needs " \
                "2 * 2 = 4 entries for 2 ranks; got 2" in message, message
+
+
+def test_auto_chooses_alike_on_every_rank_and_stays_transparent() -> None:
+    # Each rank measures its own stages on the first step; the costs are exchanged, so every rank simulates the
+    # same candidates from the same costs and runs the same choice (a rank that chose otherwise would wait for
+    # messages that never come).
+    reports = ok(launch("tests.distributed.ranks_schedules:auto_choice", 2, timeout=180))
+    assert [r["problems"] for r in reports] == [[], []]
+    assert reports[0]["costs"] == reports[1]["costs"]
+    assert {len(c) for c in reports[0]["costs"]} == {16, 8}, "F, B, I and W of every stage, from both ranks"
+    assert reports[0]["choices"] == reports[1]["choices"]
+    assert reports[0]["choices"][0] in ("zbv", "dualpipev")
+    assert reports[0]["choices"][1] in ("1f1b", "zero_bubble", "gpipe")

@@ -4,6 +4,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 
 from torchpipe.schedule.actions import ActionLike, Kind, Schedule
+from torchpipe.schedule.auto import measuring_schedule, placement_names
 from torchpipe.schedule.check import validate
 from torchpipe.schedule.generate import LOOPED, NAMES, V_SHAPED, build
 from torchpipe.types import Device
@@ -21,11 +22,24 @@ def resolve(
 
     The workers of the loop-placed names (:data:`~torchpipe.schedule.LOOPED`): one per rank across processes
     (``ranks``), else one per entry of ``devices``, else one per two stages; of the V-shaped ones
-    (:data:`~torchpipe.schedule.V_SHAPED`): half the stages, one per rank across processes.
+    (:data:`~torchpipe.schedule.V_SHAPED`): half the stages, one per rank across processes; of ``'auto'``: one
+    per rank, else one per entry of ``devices``, else one per stage.
     """
+    if schedule == "auto":  # the measuring schedule; the Pipeline's AutoTuner takes over ([Note: auto schedule])
+        workers = ranks if ranks is not None else (
+            len(list(devices)) if devices is not None and not isinstance(devices, (str, int, torch.device))
+            else stages)
+        placement_names(stages, workers)
+
+        def measuring(microbatches: int) -> Schedule:
+            return measuring_schedule(stages, workers, microbatches)
+
+        validate(measuring(chunks))
+        return measuring, workers
     if isinstance(schedule, str):
         if schedule not in NAMES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(map(repr, NAMES))} or build one")
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(map(repr, NAMES))}, 'auto' "
+                             "or build one")
         name = schedule
         workers = _workers(name, stages, devices, ranks)
         if name == "dualpipev" and chunks < 2 * workers:
