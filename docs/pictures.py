@@ -7,6 +7,7 @@ stage on ``'cpu'`` with one intra-op thread per worker. Run it from the
 repository root::
 
     python docs/pictures.py            # writes docs/_static/schedule-*.png
+    python docs/pictures.py zbv        # only the pictures whose name starts so
 
 On a CPU the boxes' widths wobble from run to run; their order and the gaps
 between them (the bubbles) are the schedule's.
@@ -51,7 +52,14 @@ def balance(stages: int, layers: int = 32) -> list:
     return [layers // stages] * stages
 
 
+def wanted(name: str) -> bool:
+    """Whether the command line asks for picture ``name`` (no argument: all of them)."""
+    return not sys.argv[1:] or any(name.startswith(prefix) for prefix in sys.argv[1:])
+
+
 def record(name: str, pipe: nn.Module, title: str, gpipe: bool = False) -> None:
+    if not wanted(name):
+        return
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
 
     def step() -> None:
@@ -73,12 +81,16 @@ def main() -> None:
     loss = nn.functional.mse_loss
     cpu2 = ["cpu", "cpu"]
     for schedule in ("gpipe", "1f1b", "zero_bubble"):
+        if not wanted(schedule):
+            continue
         pipe = torchpipe.Pipeline(mlp(), balance(2), chunks=CHUNKS, schedule=schedule, loss_fn=loss, devices=cpu2)
         record(schedule, pipe, f"Pipeline, schedule='{schedule}': 2 stages, {CHUNKS} micro-batches")
-    pipe = torchpipe.Pipeline(mlp(), balance(4), chunks=CHUNKS, schedule="interleaved_1f1b", loss_fn=loss,
-                              devices=cpu2)
-    record("interleaved_1f1b", pipe,
-           f"Pipeline, schedule='interleaved_1f1b': 4 stages on 2 workers, {CHUNKS} micro-batches")
+    for schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"):
+        if not wanted(schedule):
+            continue
+        # The loop placement: one worker per entry of devices; the V: half the stages.
+        pipe = torchpipe.Pipeline(mlp(), balance(4), chunks=CHUNKS, schedule=schedule, loss_fn=loss, devices=cpu2)
+        record(schedule, pipe, f"Pipeline, schedule='{schedule}': 4 stages on 2 workers, {CHUNKS} micro-batches")
     pipe = torchpipe.Pipeline(mlp(), balance(2), chunks=CHUNKS, schedule="1f1b", loss_fn=loss, devices=cpu2,
                               checkpoint="always")
     record("1f1b-checkpoint", pipe, f"Pipeline, schedule='1f1b', checkpoint='always': 2 stages, {CHUNKS} micro-batches")

@@ -284,3 +284,27 @@ def test_choose_split_splits_only_where_it_shortens_the_step() -> None:
     measured = {(0, F): 1.3, (0, B): 3.3, (1, F): 2.1, (1, B): 2.9, (0, BI): 0.15, (0, BW): 2.8, (1, BI): 2.3,
                 (1, BW): 3.1}
     assert choose_split(8, 2, lambda s, k: measured[(s, k)]) == [True, False]
+
+
+# --- peak activations (issue 36) -----------------------------------------------------------------------------
+
+
+@given(st.integers(1, 16), st.integers(1, 6))
+def test_peak_activations_of_gpipe_and_1f1b(m: int, p: int) -> None:
+    for costs in (UNIT, {F: 1.0, B: 2.0}, lambda a: 1.0 + 0.3 * a.stage + (0.5 if a.kind is B else 0.0)):
+        assert simulate(gpipe(m, p), costs).peak_activations == (m,) * p
+        assert simulate(one_f_one_b(m, p), costs).peak_activations == tuple(min(m, p - w) for w in range(p))
+    # Split backwards hold a micro-batch until its W: at most p on every stage, p on the first.
+    zb = simulate(zero_bubble(m, p), SPLIT_UNIT).peak_activations
+    assert zb[0] == min(m, p) and max(zb) <= p
+
+
+def test_peak_activations_count_a_pair_from_its_forwards_start_to_its_backwards_end() -> None:
+    # Worker 0 runs 0F0 0F1 2F0 2F1 2B0 ...: four pairs held when 2F1 ends; worker 1 1F0 1F1 3F0 3B0 3F1 ...: three.
+    interleaved = interleaved_1f1b(2, 4, 2)
+    simulation = simulate(interleaved, UNIT)
+    assert simulation.peak_activations == (4, 3)
+    # A pair that ends at an instant and one that starts then do not overlap: 1F1B's last stage holds one.
+    assert simulate(one_f_one_b(4, 2), UNIT).peak_activations == (2, 1)
+    # A forward-only schedule holds every pair to the step's end.
+    assert simulate(gpipe(3, 2).only([F]), UNIT).peak_activations == (3, 3)

@@ -2,7 +2,7 @@
 import datetime
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ from torchpipe.runtime import Runner, Stages, local, weight_grad
 from torchpipe.runtime.step import Timings
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.runtime.tune import SplitTuner
-from torchpipe.schedule import Schedule, build
+from torchpipe.schedule import SPLITTING, Schedule, build
+from torchpipe.schedule.auto import AutoTuner
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
@@ -57,7 +58,10 @@ class Pipeline(Pipelined):
             is the number of stages.
         chunks: the number of micro-batches.
         schedule: ``'gpipe'``, ``'1f1b'``, ``'interleaved_1f1b'``, ``'zero_bubble'``,
-            or a schedule built with :mod:`torchpipe.schedule` (a
+            ``'looped_bfs'``, ``'interleaved_zero_bubble'``, ``'zbv'``, ``'dualpipev'``
+            (see :data:`torchpipe.schedule.NAMES`), ``'auto'`` (the fastest of these for the
+            costs measured on the first step: see [Note: auto schedule]), or a
+            schedule built with :mod:`torchpipe.schedule` (a
             :class:`~torchpipe.schedule.Schedule`, or one list of actions per
             worker such as ``[['0F0', '0B0'], ['1F0', '1B0']]``) for ``chunks``
             micro-batches.
@@ -69,8 +73,8 @@ class Pipeline(Pipelined):
             (``loss_fn`` must average over its micro-batch, as PyTorch's losses
             do by default); ``'sum'``: the micro-batches' losses are added.
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``, as for GPipe.
-        devices: one device per stage (per worker for ``'interleaved_1f1b'``
-            and custom schedules), as for GPipe.
+        devices: one device per stage (per worker for several stages per worker:
+            the loop-placed and V-shaped names and custom schedules), as for GPipe.
         group: a ``torch.distributed`` process group to run one worker per
             rank; None: one process.
         deferred_batch_norm: as for GPipe.
@@ -138,14 +142,17 @@ class Pipeline(Pipelined):
         ranks = None
         if group is not None and dist.is_available() and dist.is_initialized():
             ranks = dist.get_world_size(group)
-        if schedule == "zero_bubble" and not weight_grad.supported():
+        if isinstance(schedule, str) and schedule in SPLITTING and not weight_grad.supported():
             raise ValueError(
-                f"zero_bubble needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
+                f"{schedule} needs torch.autograd.graph.GradientEdge, which torch {torch.__version__} lacks; "
                 "upgrade PyTorch or choose '1f1b'"
             )
         schedule_for, workers = resolve(schedule, chunks, len(balance), devices, ranks)
         #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble placement]).
-        self._tuner: Optional[SplitTuner] = None
+        self._tuner: Optional[Union[SplitTuner, AutoTuner]] = None
+        if schedule == "auto":  # see [Note: auto schedule]
+            self._tuner = AutoTuner(len(balance), workers, chunks, splitting=weight_grad.supported())
+            schedule_for = self._tuner.plan
         if schedule == "zero_bubble":
             tuner = self._tuner = SplitTuner(len(balance))
             stages_count = len(balance)
@@ -288,9 +295,11 @@ class Pipeline(Pipelined):
             if timings is not None:
                 changed = tuner.record(timings, exchange, self.chunks)
             else:
+                assert isinstance(tuner, SplitTuner), "only a zero-bubble placement is tried on timed steps"
                 changed = tuner.record_trial(time.perf_counter() - started, exchange, _rows(input))
             if changed:
                 self._runner.forget_plans()
+                self.schedule_name = self.schedule.name
         return loss
 
     def _local_stages(self) -> List[nn.Sequential]:

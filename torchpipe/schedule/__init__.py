@@ -6,7 +6,8 @@ recomputation, ``B`` backward, and the two halves of a split backward, ``I``
 (input gradients) and ``W`` (weight gradients). A :class:`Schedule` holds one
 ordered list of actions per worker and the stage-to-worker map. The
 generators (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`,
-:func:`zero_bubble`) are pure, :func:`validate` lists every problem of a
+:func:`zero_bubble`, :func:`looped_bfs`, :func:`interleaved_zero_bubble`,
+and the V-shaped :func:`zbv` and :func:`dualpipe_v`) are pure, :func:`validate` lists every problem of a
 schedule (custom ones included), and :func:`simulate` gives the step time
 and bubble fraction for given action costs, before anything runs.
 
@@ -24,15 +25,21 @@ Example::
 from torchpipe.schedule.actions import Action, ActionLike, Kind, Schedule, parse
 from torchpipe.schedule.check import DEFAULT_COSTS, Costs, Simulation, clock_cycles, dependencies, simulate, validate
 from torchpipe.schedule.generate import (
+    LOOPED,
     NAMES,
+    SPLITTING,
+    V_SHAPED,
     build,
     choose_split,
     gpipe,
     interleaved_1f1b,
+    interleaved_zero_bubble,
+    looped_bfs,
     one_f_one_b,
     with_recomputation,
     zero_bubble,
 )
+from torchpipe.schedule.vshape import dualpipe_v, v_stage_workers, zbv
 
 __all__ = [
     "Kind",
@@ -51,8 +58,16 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zero_bubble",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv",
+    "dualpipe_v",
+    "v_stage_workers",
     "with_recomputation",
     "choose_split",
     "build",
     "NAMES",
+    "LOOPED",
+    "V_SHAPED",
+    "SPLITTING",
 ]

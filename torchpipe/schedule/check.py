@@ -165,6 +165,8 @@ class Simulation:
     #: Start and end of every action.
     start: Dict[Action, float] = field(repr=False)
     end: Dict[Action, float] = field(repr=False)
+    #: The schedule's map from stage to worker.
+    stage_workers: Tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def bubble(self) -> float:
@@ -172,6 +174,35 @@ class Simulation:
         if self.step_time <= 0 or not self.busy:
             return 0.0
         return 1.0 - sum(self.busy) / (len(self.busy) * self.step_time)
+
+    @property
+    def peak_activations(self) -> Tuple[int, ...]:
+        """Per worker, the most (stage, micro-batch) pairs whose activations it holds at once, in virtual time.
+
+        A pair is held from its ``F``'s start to the end of its ``B`` (or of its
+        ``W`` where the backward is split; to the step's end if it has neither):
+        1F1B's worker ``w`` of ``p`` holds ``min(m, p - w)``, GPipe's every
+        worker ``m``. A pair held until an instant and one held from it do not
+        overlap. Stages of different sizes count alike: weigh the count by the
+        stage's activation size where they differ.
+        """
+        ends: Dict[Tuple[int, int], float] = {}
+        for action, end in self.end.items():
+            if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                ends[(action.stage, action.microbatch)] = end
+        events: List[List[Tuple[float, int]]] = [[] for _ in self.busy]
+        for action, begin in self.start.items():
+            if action.kind is Kind.FORWARD:
+                events[self.stage_workers[action.stage]] += [
+                    (begin, 1), (ends.get((action.stage, action.microbatch), self.step_time), -1)]
+        peaks = []
+        for worker in events:
+            held = most = 0
+            for _, change in sorted(worker):  # at one instant, what ends (-1) before what starts (+1)
+                held += change
+                most = max(most, held)
+            peaks.append(most)
+        return tuple(peaks)
 
     def order(self) -> List[Action]:
         """Every action, by start time (ties: by worker order)."""
@@ -245,7 +276,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
             raise ValueError(
                 f"schedule deadlocks: no worker can run its next action ({', '.join(stuck)}): " + "; ".join(waits)
             )
-    return Simulation(max(end.values(), default=0.0), tuple(busy), start, end)
+    return Simulation(max(end.values(), default=0.0), tuple(busy), start, end, schedule.stage_workers)
 
 
 def clock_cycles(schedule: Schedule) -> List[List[Action]]:

@@ -21,15 +21,21 @@ of at most ``stages - s`` micro-batches::
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
-from torchpipe.schedule.check import simulate
+from torchpipe.schedule.check import dependencies, simulate
+from torchpipe.schedule.vshape import dualpipe_v, zbv
 
 __all__ = [
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",
     "zero_bubble",
+    "looped_bfs",
+    "interleaved_zero_bubble",
     "with_recomputation",
     "NAMES",
+    "LOOPED",
+    "V_SHAPED",
+    "SPLITTING",
     "build",
 ]
 
@@ -39,6 +45,17 @@ F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_W
 def _check(microbatches: int, stages: int) -> None:
     if microbatches < 1 or stages < 1:
         raise ValueError(f"need at least one micro-batch and one stage, got {microbatches} and {stages}")
+
+
+def _check_loop(microbatches: int, stages: int, workers: int, name: str) -> None:
+    """The loop placement (stage ``s`` on worker ``s % workers``) needs at least two stages per worker, evenly."""
+    _check(microbatches, stages)
+    if workers < 1 or stages % workers or stages // workers < 2:
+        raise ValueError(
+            f"{name} needs a number of stages that is a multiple (at least 2) of the workers; "
+            f"got {stages} stages and {workers} workers"
+            + (f" (for {workers} workers: {2 * workers}, {3 * workers}, ... stages)" if workers >= 1 else "")
+        )
 
 
 def _one_per_worker(lists: List[List[Action]], microbatches: int, name: str) -> Schedule:
@@ -86,12 +103,7 @@ def interleaved_1f1b(microbatches: int, stages: int, workers: int) -> Schedule:
     memory bound) is used when it is shorter or the warm-up rule would
     deadlock.
     """
-    _check(microbatches, stages)
-    if workers < 1 or stages % workers or stages // workers < 2:
-        raise ValueError(
-            f"interleaved_1f1b needs a number of stages that is a multiple (at least 2) of the workers; "
-            f"got {stages} stages and {workers} workers"
-        )
+    _check_loop(microbatches, stages, workers, "interleaved_1f1b")
     chunks = stages // workers
     rounds = [list(range(g, min(g + workers, microbatches))) for g in range(0, microbatches, workers)]
     forwards = [
@@ -121,6 +133,43 @@ def interleaved_1f1b(microbatches: int, stages: int, workers: int) -> Schedule:
     except ValueError:  # the warm-up rule deadlocks for this uneven shape
         pass
     return greedy
+
+
+def looped_bfs(microbatches: int, stages: int, workers: int) -> Schedule:
+    """Looped BFS (breadth-first, Lamy-Poirier 2022): the loop placement of :func:`interleaved_1f1b`, each worker
+    running every micro-batch's forward of its first stage, then of its next, and the backwards likewise from
+    its last stage back, the last micro-batch's first.
+
+    Fill-drain per stage: the bubble of :func:`interleaved_1f1b` once the
+    micro-batches cover the workers, but a worker holds the activations of
+    every micro-batch on every one of its stages at the turn.
+    """
+    _check_loop(microbatches, stages, workers, "looped_bfs")
+    lists = []
+    for r in range(workers):
+        own = list(range(r, stages, workers))
+        actions = [Action(s, F, i) for s in own for i in range(microbatches)]
+        actions += [Action(s, B, i) for s in reversed(own) for i in reversed(range(microbatches))]
+        lists.append(actions)
+    return Schedule(tuple(tuple(a) for a in lists), tuple(s % workers for s in range(stages)), microbatches,
+                    "looped_bfs")
+
+
+def interleaved_zero_bubble(microbatches: int, stages: int, workers: int) -> Schedule:
+    """Interleaved zero-bubble: :func:`interleaved_1f1b`'s order with every backward split, ``W`` filling the gaps.
+
+    Each worker runs its forwards and input gradients (``I``) in interleaved
+    1F1B's order, and its weight gradients (``W``) wherever it would otherwise
+    idle, as :func:`zero_bubble` does for one stage per worker (the zero-bubble
+    paper's ZB-1P on the loop placement). A worker holds at most as many
+    (stage, micro-batch) activations, until their ``W``, as interleaved 1F1B's
+    first worker does until its ``B``.
+    """
+    _check_loop(microbatches, stages, workers, "interleaved_zero_bubble")
+    base = interleaved_1f1b(microbatches, stages, workers)
+    limit = 2 * (workers - 1) + (stages // workers - 1) * workers + 1
+    filled = _fill_weights(base, [limit] * workers)
+    return Schedule(filled.workers, filled.stage_workers, microbatches, "interleaved_zero_bubble")
 
 
 def _list_schedule(
@@ -206,53 +255,53 @@ def zero_bubble(microbatches: int, stages: int, split: Optional[Sequence[bool]] 
 
 def _zero_bubble(microbatches: int, stages: int) -> Schedule:
     _check(microbatches, stages)
-    sequences: List[List[Action]] = []
-    for s in range(stages):
-        warmup = min(stages - s - 1, microbatches)
-        seq = [Action(s, F, i) for i in range(warmup)]
-        for k in range(microbatches - warmup):
-            seq += [Action(s, F, warmup + k), Action(s, BI, k)]
-        seq += [Action(s, BI, i) for i in range(microbatches - warmup, microbatches)]
-        sequences.append(seq)
+    schedule = _fill_weights(one_f_one_b(microbatches, stages), [stages] * stages)
+    return Schedule(schedule.workers, schedule.stage_workers, microbatches, "zero_bubble")
+
+
+def _fill_weights(base: Schedule, limits: Sequence[int]) -> Schedule:
+    """``base`` with every ``B`` split: ``I`` where ``B`` was, ``W`` wherever the worker would otherwise idle.
+
+    Unit-time list scheduling: at each step a free worker runs the next action
+    of its list (``B`` as ``I``) if what it needs has ended, a forward only
+    while the worker holds fewer than ``limits[w]`` micro-batches' activations
+    (from ``F`` to ``W``); else its oldest pending ``W``, which frees one.
+    """
+    sequences = [[Action(a.stage, BI, a.microbatch) if a.kind is B else a for a in actions]
+                 for actions in base.workers]
+    present = frozenset(a for seq in sequences for a in seq) | frozenset(
+        Action(a.stage, BW, a.microbatch) for seq in sequences for a in seq if a.kind is BI)
+    workers, stages = len(sequences), base.stages
     done: Dict[Action, int] = {}
-    order: List[List[Action]] = [[] for _ in range(stages)]
-    cursor = [0] * stages
-    pending: List[List[Action]] = [[] for _ in range(stages)]
-    live = [0] * stages
-    free = [0] * stages
-    total = 3 * microbatches * stages
+    order: List[List[Action]] = [[] for _ in range(workers)]
+    cursor = [0] * workers
+    pending: List[List[Action]] = [[] for _ in range(workers)]
+    live = [0] * workers
+    total = len(present)
     t = 0
     while sum(map(len, order)) < total:
-        for s in range(stages):
-            if free[s] > t:
-                continue
+        for w in range(workers):
             chosen: Optional[Action] = None
-            if cursor[s] < len(sequences[s]):
-                a = sequences[s][cursor[s]]
-                if a.kind is F:
-                    ok = live[s] < stages and (s == 0 or _ready(done, Action(s - 1, F, a.microbatch), t))
-                else:
-                    ok = _ready(done, Action(s, F, a.microbatch), t) and (
-                        s == stages - 1 or _ready(done, Action(s + 1, BI, a.microbatch), t)
-                    )
-                if ok:
+            if cursor[w] < len(sequences[w]):
+                a = sequences[w][cursor[w]]
+                if (a.kind is not F or live[w] < limits[w]) and all(
+                        _ready(done, d, t) for d in dependencies(a, stages, present)):
                     chosen = a
-                    cursor[s] += 1
+                    cursor[w] += 1
                     if a.kind is F:
-                        live[s] += 1
+                        live[w] += 1
                     else:
-                        pending[s].append(Action(s, BW, a.microbatch))
-            if chosen is None and pending[s]:
-                chosen = pending[s].pop(0)
-                live[s] -= 1
+                        pending[w].append(Action(a.stage, BW, a.microbatch))
+            if chosen is None and pending[w]:
+                chosen = pending[w].pop(0)
+                live[w] -= 1
             if chosen is not None:
                 done[chosen] = t + 1
-                free[s] = t + 1
-                order[s].append(chosen)
+                order[w].append(chosen)
         t += 1
-        if t > 4 * total + 16:
-            raise AssertionError(f"zero_bubble made no progress ({microbatches} micro-batches, {stages} stages)")
-    return _one_per_worker(order, microbatches, "zero_bubble")
+        if t > 4 * total + 16:  # a limit below the base's own warm-up; a guard, not a path
+            raise AssertionError(f"weight filling made no progress ({base.name}, limits {list(limits)})")
+    return Schedule(tuple(tuple(a) for a in order), base.stage_workers, base.microbatches, base.name)
 
 
 def with_recomputation(schedule: Schedule, checkpointed: Callable[[int, int], bool]) -> Schedule:
@@ -274,7 +323,14 @@ def with_recomputation(schedule: Schedule, checkpointed: Callable[[int, int], bo
 
 
 #: The schedules :func:`build` knows, by name.
-NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "looped_bfs", "interleaved_zero_bubble", "zbv",
+         "dualpipev")
+#: The names whose stage ``s`` runs on worker ``s % workers`` (several stages per worker).
+LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+#: The names whose backwards are split (``I`` and ``W``): they need ``torch.autograd.graph.GradientEdge``.
+SPLITTING = ("zero_bubble", "interleaved_zero_bubble", "zbv", "dualpipev")
+#: The names whose ``2 * workers`` stages are placed in a V (worker ``w``: stages ``w`` and ``2W - 1 - w``).
+V_SHAPED = ("zbv", "dualpipev")
 
 
 def build(
@@ -282,17 +338,29 @@ def build(
 ) -> Schedule:
     """The named schedule (one of :data:`NAMES`) for ``microbatches`` over ``stages``.
 
-    ``workers`` is used by ``'interleaved_1f1b'`` only (default: one per two stages), ``split`` by
-    ``'zero_bubble'`` only (default: every stage splits).
+    ``workers`` is used by the loop-placed names (:data:`LOOPED`; default: one per two stages) and the V-shaped
+    ones (:data:`V_SHAPED`; default and only fit: half the stages), ``split`` by ``'zero_bubble'`` only
+    (default: every stage splits).
     """
     if name == "gpipe":
         return gpipe(microbatches, stages)
     if name == "1f1b":
         return one_f_one_b(microbatches, stages)
-    if name == "interleaved_1f1b":
-        return interleaved_1f1b(microbatches, stages, workers if workers is not None else max(1, stages // 2))
+    if name in LOOPED:
+        looped = {"interleaved_1f1b": interleaved_1f1b, "looped_bfs": looped_bfs,
+                  "interleaved_zero_bubble": interleaved_zero_bubble}[name]
+        return looped(microbatches, stages, workers if workers is not None else max(1, stages // 2))
     if name == "zero_bubble":
         return zero_bubble(microbatches, stages, split)
+    if name in V_SHAPED:
+        count = workers if workers is not None else stages // 2
+        if count < 1 or stages != 2 * count:
+            raise ValueError(
+                f"{name} places 2 stages per worker in a V, so it needs 2 * workers stages; got {stages} stages"
+                + (f" for {workers} workers (use {2 * workers} stages)" if workers is not None
+                   else f" (use an even number, at least 2: {2 * max(1, stages // 2)} or {2 * (stages // 2 + 1)})")
+            )
+        return zbv(microbatches, count) if name == "zbv" else dualpipe_v(microbatches, count)
     raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(map(repr, NAMES))} or build one")
 
 

@@ -1,0 +1,130 @@
+"""schedule='auto' (issue 36): the choice from measured costs within 1F1B's memory, the measuring first step, and a
+Pipeline that runs the choice with the plain module's loss and gradients from its first step on."""
+import copy
+import logging
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.test_pipeline import model_for, mse
+from torchpipe import Pipeline
+from torchpipe.schedule import Kind, build, simulate, validate
+from torchpipe.schedule.auto import AutoTuner, choose, measuring_schedule, placement_names
+
+F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+PAPER = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
+#: Measured on this CPU (issue 18): I and W together cost 1.4 B.
+CPU = {F: 1.0, B: 2.0, BI: 1.2, BW: 1.6}
+
+
+def test_placement_names_follow_the_stages_per_worker() -> None:
+    assert placement_names(4, 4) == ["1f1b", "zero_bubble", "gpipe"]
+    assert placement_names(4, 2) == ["zbv", "dualpipev"], "the V's map: the loop's schedules hold more there"
+    assert placement_names(2, 1) == ["zbv", "dualpipev", "interleaved_zero_bubble", "interleaved_1f1b", "looped_bfs"]
+    assert placement_names(6, 2) == ["interleaved_zero_bubble", "interleaved_1f1b", "looped_bfs"]
+    with pytest.raises(ValueError, match=r"no built-in schedule for 5 stages on 2 workers: .* \(4, 6, ... stages\)"):
+        placement_names(5, 2)
+
+
+def test_choose_takes_the_fastest_within_1f1bs_memory() -> None:
+    # The paper's costs: the V has no bubble at 1F1B's memory; the loop-placed schedules hold more.
+    v = choose(4, 2, 8, lambda s, k: PAPER[k])
+    assert v.name == "zbv" and v.limit == 4
+    assert dict((name, (step, peak)) for name, step, peak in v.table) == {"zbv": (49.0, 4), "dualpipev": (49.0, 5)}
+    # One stage per worker: zero_bubble, with the split choose_split finds; on the CPU's costs nothing splits,
+    # and 1F1B is preferred to an equal step.
+    zero = choose(4, 4, 8, lambda s, k: PAPER[k])
+    assert zero.name == "zero_bubble" and zero.split is not None and any(zero.split)
+    assert zero.build(8, 4, 4) == build("zero_bubble", 8, 4, split=zero.split)
+    assert choose(4, 4, 8, lambda s, k: CPU[k]).name == "1f1b"
+    # A costly last stage: the split that pays there.
+    skewed = choose(3, 3, 6, lambda s, k: PAPER[k] * (3.0 if s == 2 else 1.0))
+    assert skewed.name in ("1f1b", "zero_bubble")
+    steps = {name: step for name, step, _ in skewed.table}
+    assert steps[skewed.name] == min(steps[name] for name in ("1f1b", "zero_bubble"))
+    # None fits (three stages per worker): the one that holds the fewest, then the fastest of those.
+    loop = choose(6, 2, 4, lambda s, k: PAPER[k])
+    assert all(peak > loop.limit for _, _, peak in loop.table)
+    assert loop.name == "interleaved_zero_bubble"
+    # Without GradientEdge: no schedule that splits (dualpipev splits its last backwards).
+    assert choose(6, 2, 8, lambda s, k: PAPER[k], splitting=False).name == "interleaved_1f1b"
+    with pytest.raises(ValueError, match="in a V, whose schedules split the backward, which needs .*GradientEdge"):
+        AutoTuner(4, 2, 8, splitting=False)
+
+
+@given(st.integers(1, 10), st.integers(1, 4), st.sampled_from([1, 2, 3]))
+def test_the_measuring_schedule_is_valid_and_times_every_kind(m: int, workers: int, per_worker: int) -> None:
+    stages = workers * per_worker
+    schedule = measuring_schedule(stages, workers, m)
+    validate(schedule)
+    assert schedule.name == "auto"
+    kinds = {(a.stage, a.kind) for a in schedule.actions()}
+    for s in range(stages):
+        assert {(s, F), (s, B)} <= kinds
+        assert ((s, BI) in kinds and (s, BW) in kinds) == (m >= 2)
+    assert all(a.kind in (F, B) for a in measuring_schedule(stages, workers, m, splitting=False).actions())
+    # Every choice is a valid schedule of the same placement.
+    choice = choose(stages, workers, m, lambda s, k: PAPER[k] * (1 + s % 2))
+    chosen = choice.build(m, stages, workers)
+    validate(chosen)
+    assert chosen.stage_workers == schedule.stage_workers
+
+
+def test_costs_not_measured_come_from_those_that_were() -> None:
+    tuner = AutoTuner(2, 2, 4)
+    tuner.record({(0, F): [9.0, 1.0, 1.5], (0, B): [2.0], (1, F): [2.0], (1, BI): [1.0], (1, BW): [3.0]})
+    assert tuner.cost(0, F) == 1.0, "the least: the first action of a kind pays for what runs once"
+    assert tuner.cost(0, BI) == tuner.cost(0, BW) == 1.0
+    assert tuner.cost(1, B) == 4.0
+    assert tuner.decided and not tuner.measuring
+
+
+def test_every_rank_decides_from_every_ranks_costs() -> None:
+    exchanged = []
+
+    def exchange(values: list) -> list:  # as across 2 ranks, the other one holding stage 1 and slower there
+        exchanged.append(values)
+        return [values, [1.0, 0.0, 5.0, 1.0, 1.0, 10.0]]
+
+    tuner = AutoTuner(2, 2, 8)
+    tuner.record({(0, F): [1.0], (0, B): [2.0]}, exchange)
+    assert exchanged == [[0.0, 0.0, 1.0, 0.0, 1.0, 2.0]]
+    assert tuner.costs == {(0, F): 1.0, (0, B): 2.0, (1, F): 5.0, (1, B): 10.0}
+    assert tuner.choice == choose(2, 2, 8, tuner.cost)
+
+
+@pytest.mark.parametrize("balance, devices", [([2, 2, 2], None), ([2, 2, 2, 2], ["cpu", "cpu"]),
+                                              ([2, 2, 1, 1, 1, 1], ["cpu", "cpu"])])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_pipeline_runs_the_choice_and_stays_transparent(balance: list, devices: list, checkpoint: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    model = model_for(sum(balance), width=16, skips=True)
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, balance, chunks=4, schedule="auto", loss_fn=mse, checkpoint=checkpoint, devices=devices)
+    assert pipe.schedule_name == "auto" and pipe.schedule.name == "auto"
+    with caplog.at_level(logging.INFO, logger="torchpipe"):
+        for _ in range(3):
+            x, y = torch.randn(10, 16), torch.randn(10, 16)
+            loss = pipe.step(x, y)
+            expected = mse(plain(x), y)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach())
+            for p, q in zip(plain.parameters(), pipe.parameters()):
+                torch.testing.assert_close(q.grad, p.grad)
+    tuner = pipe._tuner
+    assert isinstance(tuner, AutoTuner) and tuner.choice is not None
+    workers = len(devices) if devices else len(balance)
+    assert tuner.choice == choose(len(balance), workers, 4, tuner.cost)
+    assert pipe.schedule_name == tuner.choice.name == pipe.schedule.name
+    assert sum("schedule='auto' chose" in r.getMessage() for r in caplog.records) == 1, "one line, at the choice"
+    assert f"chose {pipe.schedule_name!r}" in caplog.text
+    fits = [name for name, _, peak in tuner.choice.table if peak <= tuner.choice.limit]
+    if fits:
+        assert max(simulate(pipe.schedule, lambda a: tuner.cost(a.stage, a.kind)).peak_activations) <= len(balance)
+
+
+def test_auto_on_a_placement_without_a_schedule_says_what_fits() -> None:
+    with pytest.raises(ValueError, match="schedule='auto' has no built-in schedule for 3 stages on 2 workers"):
+        Pipeline(model_for(6), [2, 2, 2], chunks=2, schedule="auto", devices=["cpu", "cpu"])

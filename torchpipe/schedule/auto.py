@@ -1,0 +1,210 @@
+"""``schedule='auto'``: the built-in schedule that :func:`simulate` finds fastest for measured costs, within 1F1B's
+memory.
+
+[Note: auto schedule] A Pipeline made with ``schedule='auto'`` runs its
+first training step on a measuring schedule of its placement (the balance's
+stages on its workers or ranks): the placement's split schedule
+(``'zero_bubble'`` one stage per worker, ``'zbv'`` in a V of two,
+``'interleaved_zero_bubble'`` on the loop) with every other micro-batch's
+backward whole, so that one step times each stage's ``F``, ``B``, ``I`` and
+``W`` (each action's thread CPU time, the least of its micro-batches': the
+first of a kind pays for what runs once). From these costs :func:`choose`
+simulates every built-in schedule of the placement (the stages are placed
+on the workers, or ranks, once: the schedules that share one map; for two
+stages per worker the V's) and keeps the fastest
+whose busiest worker holds no more (stage, micro-batch) pairs
+(:attr:`Simulation.peak_activations`) than 1F1B's busiest would: 1F1B on
+the same workers, each running its stages as one, holds as many of these
+stages' pairs as there are stages. If none fits (a loop of three stages per
+worker, say), the one that holds the fewest. Across processes every rank's
+costs are exchanged first, so every rank simulates the same and picks the
+same. Loss and gradients are the plain module's at every step, the first
+included (any valid schedule gives them). The simulation leaves out what it
+does not see: message times between ranks, the extra traffic of skips and
+ties, split graphs that live longer.
+"""
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from torchpipe.schedule.actions import Action, Kind, Schedule
+from torchpipe.schedule.check import simulate
+from torchpipe.schedule.generate import SPLITTING, build, choose_split, interleaved_zero_bubble, zero_bubble
+from torchpipe.schedule.vshape import zbv
+
+__all__ = ["Choice", "choose", "candidates", "placement_names", "measuring_schedule", "AutoTuner"]
+
+logger = logging.getLogger("torchpipe")
+
+_MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+
+
+def placement_names(stages: int, workers: int) -> List[str]:
+    """The built-in schedules that run ``stages`` on ``workers`` with one stage-to-worker map, in the order a tie
+    in step time prefers: one stage per worker; the V for two per worker (the loop's schedules, on another map,
+    hold more than 1F1B there); else the loop."""
+    names: List[str] = []
+    if stages == workers:
+        names += ["1f1b", "zero_bubble", "gpipe"]
+    if stages == 2 * workers:
+        names += ["zbv", "dualpipev"]
+    if workers >= 1 and stages % workers == 0 and stages // workers >= 2 and (stages != 2 * workers or workers == 1):
+        names += ["interleaved_zero_bubble", "interleaved_1f1b", "looped_bfs"]
+    if not names:
+        raise ValueError(
+            f"schedule='auto' has no built-in schedule for {stages} stages on {workers} workers: it needs one stage "
+            f"per worker, or a multiple (at least 2) of the workers ({2 * workers}, {3 * workers}, ... stages)"
+        )
+    return names
+
+
+def candidates(stages: int, workers: int, *, splitting: bool = True) -> List[str]:
+    """:func:`placement_names`, less those that split backwards without ``splitting``; ``ValueError`` if none."""
+    names = [name for name in placement_names(stages, workers) if splitting or name not in SPLITTING]
+    if not names:
+        raise ValueError(
+            f"schedule='auto' places {stages} stages on {workers} workers in a V, whose schedules split the "
+            "backward, which needs torch.autograd.graph.GradientEdge (this torch lacks it); use one stage per "
+            "worker, three or more per worker, or upgrade PyTorch"
+        )
+    return names
+
+
+def _build(name: str, microbatches: int, stages: int, workers: int, split: Optional[List[bool]]) -> Schedule:
+    if name == "dualpipev" and microbatches < 2 * workers:
+        return build(name, 2 * workers, stages, workers).restricted(microbatches)
+    return build(name, microbatches, stages, workers, split if name == "zero_bubble" else None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` picked, and why."""
+
+    #: The schedule's name (one of :data:`~torchpipe.schedule.NAMES`).
+    name: str
+    #: ``'zero_bubble'``'s split per stage (from :func:`choose_split`), else None.
+    split: Optional[List[bool]]
+    #: Per candidate: name, simulated step time, the busiest worker's peak activations.
+    table: Tuple[Tuple[str, float, int], ...]
+    #: The most a worker may hold: 1F1B's busiest (the number of stages).
+    limit: int
+
+    def build(self, microbatches: int, stages: int, workers: int) -> Schedule:
+        """The chosen schedule for ``microbatches``."""
+        return _build(self.name, microbatches, stages, workers, self.split)
+
+
+def choose(
+    stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True
+) -> Choice:
+    """The fastest built-in schedule of the placement for ``costs(stage, kind)`` within 1F1B's memory.
+
+    ``splitting`` False leaves out the schedules that split backwards. Pure: the same costs give the same choice.
+
+    Example::
+
+        >>> from torchpipe.schedule import Kind
+        >>> paper = {Kind.FORWARD: 1, Kind.BACKWARD: 2, Kind.BACKWARD_INPUT: 1, Kind.BACKWARD_WEIGHT: 1}
+        >>> choose(4, 2, 8, lambda stage, kind: paper[kind]).name
+        'zbv'
+    """
+    limit = stages
+    table: List[Tuple[str, float, int]] = []
+    split: Optional[List[bool]] = None
+    for name in candidates(stages, workers, splitting=splitting):
+        if name == "zero_bubble":
+            split = choose_split(microbatches, stages, costs)
+        run = simulate(_build(name, microbatches, stages, workers, split), lambda a: costs(a.stage, a.kind))
+        table.append((name, run.step_time, max(run.peak_activations)))
+    fitting = [row for row in table if row[2] <= limit]
+    if fitting:
+        best = min(fitting, key=lambda row: row[1])  # the first of equal steps: the list's preference
+    else:
+        best = min(table, key=lambda row: (row[2], row[1]))
+    return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit)
+
+
+def measuring_schedule(stages: int, workers: int, microbatches: int, *, splitting: bool = True) -> Schedule:
+    """The first step's schedule, named ``'auto'``: the placement's split schedule with the backward of every
+    even micro-batch whole (``B`` where its ``I`` was, no ``W``), so that one step times ``F``, ``B``, ``I`` and
+    ``W`` of every stage (only ``F`` and ``B`` without ``splitting``, or with one micro-batch)."""
+    names = placement_names(stages, workers)
+    if names[0] == "1f1b":
+        base = zero_bubble(microbatches, stages)
+    elif names[0] == "zbv":
+        base = zbv(microbatches, workers)
+    else:
+        base = interleaved_zero_bubble(microbatches, stages, workers)
+
+    def whole(action: Action) -> bool:
+        return not splitting or action.microbatch % 2 == 0
+
+    lists = [
+        [Action(a.stage, Kind.BACKWARD, a.microbatch) if a.kind is Kind.BACKWARD_INPUT and whole(a) else a
+         for a in actions if not (a.kind is Kind.BACKWARD_WEIGHT and whole(a))]
+        for actions in base.workers
+    ]
+    return Schedule(tuple(tuple(a) for a in lists), base.stage_workers, microbatches, "auto")
+
+
+class AutoTuner:
+    """``schedule='auto'`` in a Pipeline: the measuring schedule for the first training step, then the choice
+    (see [Note: auto schedule])."""
+
+    def __init__(self, stages: int, workers: int, chunks: int, *, splitting: bool = True) -> None:
+        candidates(stages, workers, splitting=splitting)  # a placement with no built-in schedule: ValueError now
+        self.stages, self.workers, self.chunks, self.splitting = stages, workers, chunks, splitting
+        #: The least measured cost of each (stage, kind), every rank's: a stage's first action of a kind, on the
+        #: first step, pays for what runs once (the autograd engine's start, first allocations), up to 100 times
+        #: a later one's cost here.
+        self.costs: Dict[Tuple[int, Kind], float] = {}
+        self.choice: Optional[Choice] = None
+
+    @property
+    def decided(self) -> bool:
+        return self.choice is not None
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the next training step's actions are to be timed: until the choice is made."""
+        return self.choice is None
+
+    def plan(self, microbatches: int) -> Schedule:
+        """The schedule of a step of ``microbatches``: the measuring one, then the choice."""
+        if self.choice is None:
+            return measuring_schedule(self.stages, self.workers, microbatches, splitting=self.splitting)
+        return self.choice.build(microbatches, self.stages, self.workers)
+
+    def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]],
+               exchange: Optional[Callable[[List[float]], List[List[float]]]] = None, microbatches: int = 1) -> bool:
+        """Takes the first training step's timings (this rank's stages) and chooses; returns True (the schedule
+        changed). ``exchange`` gathers every rank's measurements (across processes; called on every rank)."""
+        del microbatches  # the choice is for the Pipeline's chunks, whatever the first batch's size
+        mine = [float(v) for (s, kind), values in sorted(timings.items(), key=lambda item: (item[0][0],
+                _MEASURED.index(item[0][1]) if item[0][1] in _MEASURED else 9))
+                if kind in _MEASURED and values for v in (s, _MEASURED.index(kind), min(values))]
+        for values in [mine] if exchange is None else exchange(mine):
+            for k in range(0, len(values) - 2, 3):
+                self.costs[(int(values[k]), _MEASURED[int(values[k + 1])])] = values[k + 2]
+        choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting)
+        steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
+                          for name, step, peak in choice.table)
+        logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
+                    "from the measured costs: %s; at most %d activations per worker)", choice.name, self.stages,
+                    self.workers, self.chunks, steps, choice.limit)
+        return True
+
+    def cost(self, stage: int, kind: Kind) -> float:
+        """A measured cost; one not measured from those that were (``B`` as ``I + W``, ``I`` and ``W`` as half
+        ``B``, a stage none of whose actions ran as a forward of 1 and a backward of 2)."""
+        found = self.costs.get((stage, kind))
+        if found is not None:
+            return found
+        forward = self.costs.get((stage, Kind.FORWARD), 1.0)
+        inputs, weights = self.costs.get((stage, Kind.BACKWARD_INPUT)), self.costs.get((stage, Kind.BACKWARD_WEIGHT))
+        if kind is Kind.BACKWARD:
+            return inputs + weights if inputs is not None and weights is not None else 2.0 * forward
+        whole = self.costs.get((stage, Kind.BACKWARD))
+        if kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+            return whole / 2.0 if whole is not None else forward
+        return forward
