@@ -42,32 +42,9 @@ from torchpipe.schedule.generate import (
 from torchpipe.schedule.vshape import dualpipe_v, v_stage_workers, zbv
 
 __all__ = [
-    "Kind",
-    "Action",
-    "ActionLike",
-    "Schedule",
-    "parse",
-    "dependencies",
-    "validate",
-    "simulate",
-    "Simulation",
-    "clock_cycles",
-    "Costs",
-    "DEFAULT_COSTS",
-    "gpipe",
-    "one_f_one_b",
-    "interleaved_1f1b",
-    "zero_bubble",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv",
-    "dualpipe_v",
-    "v_stage_workers",
-    "with_recomputation",
-    "choose_split",
-    "build",
-    "NAMES",
-    "LOOPED",
-    "V_SHAPED",
-    "SPLITTING",
+    "Kind", "Action", "ActionLike", "Schedule", "parse",  # the data
+    "dependencies", "validate", "simulate", "Simulation", "clock_cycles", "Costs", "DEFAULT_COSTS",  # the checks
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble", "looped_bfs", "interleaved_zero_bubble",  # generators
+    "zbv", "dualpipe_v", "v_stage_workers", "with_recomputation", "choose_split", "build",
+    "NAMES", "LOOPED", "V_SHAPED", "SPLITTING",  # the names Pipeline(schedule=...) takes, by placement
 ]
