@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from tests.test_pipeline import model_for, mse
 from torchpipe import Pipeline
-from torchpipe.schedule import Kind, build, simulate, validate
-from torchpipe.schedule.auto import AutoTuner, choose, measuring_schedule, placement_names
+from torchpipe.runtime.step import Timings
+from torchpipe.schedule import Action, Kind, build, simulate, validate
+from torchpipe.schedule.auto import AutoTuner, calibrate, choose, measuring_schedule, placement_names
 
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 PAPER = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
@@ -74,7 +75,7 @@ def test_the_measuring_schedule_is_valid_and_times_every_kind(m: int, workers: i
 
 def test_costs_not_measured_come_from_those_that_were() -> None:
     tuner = AutoTuner(2, 2, 4)
-    tuner.record({(0, F): [9.0, 1.0, 1.5], (0, B): [2.0], (1, F): [2.0], (1, BI): [1.0], (1, BW): [3.0]})
+    assert tuner.record({(0, F): [9.0, 1.0, 1.5], (0, B): [2.0], (1, F): [2.0], (1, BI): [1.0], (1, BW): [3.0]})
     assert tuner.cost(0, F) == 1.0, "the least: the first action of a kind pays for what runs once"
     assert tuner.cost(0, BI) == tuner.cost(0, BW) == 1.0
     assert tuner.cost(1, B) == 4.0
@@ -86,13 +87,41 @@ def test_every_rank_decides_from_every_ranks_costs() -> None:
 
     def exchange(values: list) -> list:  # as across 2 ranks, the other one holding stage 1 and slower there
         exchanged.append(values)
-        return [values, [1.0, 0.0, 5.0, 1.0, 1.0, 10.0]]
+        return [values, [0.0, 1.0, 0.0, 1.0, 5.0, 1.0, 1.0, 1.0, 10.0]]
 
     tuner = AutoTuner(2, 2, 8)
     tuner.record({(0, F): [1.0], (0, B): [2.0]}, exchange)
-    assert exchanged == [[0.0, 0.0, 1.0, 0.0, 1.0, 2.0]]
+    # Each rank's span (none here: plain dicts), then per (stage, kind): how many were timed, and each one's time.
+    assert exchanged == [[0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 2.0]]
     assert tuner.costs == {(0, F): 1.0, (0, B): 2.0, (1, F): 5.0, (1, B): 10.0}
     assert tuner.choice == choose(2, 2, 8, tuner.cost)
+
+
+def test_the_time_between_workers_is_calibrated_from_the_measured_span() -> None:
+    # A step that took longer than its actions explain spent the rest on messages between workers: the choice
+    # charges every hop that time, found by simulating the measuring step as it ran. Its first forward of each
+    # stage was slow (what runs once): that is no message's time.
+    costs = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
+    truth = 0.75
+    measured = measuring_schedule(4, 2, 8)
+
+    def cost(action: Action) -> float:
+        return 5.0 if action.kind is F and action.microbatch == 0 else costs[action.kind]
+
+    span = simulate(measured, cost, communication=truth).step_time
+    assert calibrate(measured, cost, span) == pytest.approx(truth, abs=1e-9)
+    assert calibrate(measured, cost, 0.5) == 0.0, "a span the actions explain: nothing to charge"
+    tuner = AutoTuner(4, 2, 8)
+    timings = Timings()
+    for actions in measured.workers:
+        for action in actions:
+            timings.setdefault((action.stage, action.kind), []).append(cost(action))
+    timings.spans[:] = [(0.0, span)]
+    tuner.record(timings)
+    assert tuner.choice is not None and tuner.choice.communication == pytest.approx(truth, abs=1e-9)
+    assert tuner.choice == choose(4, 2, 8, tuner.cost, communication=tuner.choice.communication)
+    slower = choose(4, 2, 8, tuner.cost, communication=2 * truth).table
+    assert all(b > a for (_, a, _), (_, b, _) in zip(tuner.choice.table, slower)), "every hop is charged"
 
 
 @pytest.mark.parametrize("balance, devices", [([2, 2, 2], None), ([2, 2, 2, 2], ["cpu", "cpu"]),
@@ -116,7 +145,7 @@ def test_a_pipeline_runs_the_choice_and_stays_transparent(balance: list, devices
     tuner = pipe._tuner
     assert isinstance(tuner, AutoTuner) and tuner.choice is not None
     workers = len(devices) if devices else len(balance)
-    assert tuner.choice == choose(len(balance), workers, 4, tuner.cost)
+    assert tuner.choice == choose(len(balance), workers, 4, tuner.cost, communication=tuner.choice.communication)
     assert pipe.schedule_name == tuner.choice.name == pipe.schedule.name
     assert sum("schedule='auto' chose" in r.getMessage() for r in caplog.records) == 1, "one line, at the choice"
     assert f"chose {pipe.schedule_name!r}" in caplog.text

@@ -274,7 +274,7 @@ class Pipeline(Pipelined):
         """
         training = torch.is_grad_enabled() and self.training
         tuner = self._tuner if training and self._tuner is not None and not self._tuner.decided else None
-        timings: Optional[Timings] = {} if tuner is not None and tuner.measuring else None
+        timings: Optional[Timings] = Timings() if tuner is not None and tuner.measuring else None
         started = time.perf_counter()
         with self._batch_norm_statistics(self._local_stages()):
             if self._channel is not None:

@@ -59,9 +59,10 @@ def run(step: Step, action: Action) -> None:
         if step.timings is None:
             _ACTIONS[kind](step, action)
         else:  # see [Note: zero-bubble placement]: this thread's CPU time, not the wait for messages
-            started = time.thread_time()
+            began, started = time.perf_counter(), time.thread_time()
             _ACTIONS[kind](step, action)
             step.timings.setdefault((s, kind), []).append(time.thread_time() - started)
+            step.timings.spans.append((began, time.perf_counter()))
 
 
 # --- forward and recomputation ----------------------------------------------------------------------------

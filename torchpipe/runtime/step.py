@@ -28,8 +28,20 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "Step", "StageState", "StageHooks", "ParamGrads", "Timings", "Loss"]
 
-#: Each action's measured duration, by (stage, kind) (see [Note: zero-bubble placement]).
-Timings = Dict[Tuple[int, Kind], List[float]]
+class Timings(Dict[Tuple[int, Kind], List[float]]):
+    """A measured step: each action's duration (its thread's CPU time, not its waits for messages), by (stage,
+    kind), and each action's wall-clock start and end on this rank's clock (see [Note: zero-bubble placement],
+    [Note: auto schedule])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: (start, end) of each action, seconds of ``time.perf_counter`` (appended by the workers' threads).
+        self.spans: List[Tuple[float, float]] = []
+
+    @property
+    def window(self) -> float:
+        """From this rank's first action's start to its last one's end, in seconds (0 with none)."""
+        return max(end for _, end in self.spans) - min(start for start, _ in self.spans) if self.spans else 0.0
 
 
 class Plan(NamedTuple):

@@ -7,8 +7,17 @@ stages on its workers or ranks): the placement's split schedule
 (``'zero_bubble'`` one stage per worker, ``'zbv'`` in a V of two,
 ``'interleaved_zero_bubble'`` on the loop) with every other micro-batch's
 backward whole, so that one step times each stage's ``F``, ``B``, ``I`` and
-``W`` (each action's thread CPU time, the least of its micro-batches': the
-first of a kind pays for what runs once). From these costs :func:`choose`
+``W`` (each action's thread CPU time; a stage's cost of a kind is the least
+of its micro-batches': the first of a kind pays for what runs once). What
+the actions' times do not explain is what the step spent between workers:
+a message's trip (between ranks, or handed between threads), the extra
+messages of skips and tied copies, a wait for a core. So the step's span
+(from each rank's first action to its last, the longest rank's) calibrates
+one more cost, the time a message takes from one worker to another
+(:func:`calibrate`: the ``communication`` for which :func:`simulate` runs
+the measuring step, each action at its own measured time, recomputations
+included, in that span), and the choice charges it to every hop. From
+these costs :func:`choose`
 simulates every built-in schedule of the placement (the stages are placed
 on the workers, or ranks, once: the schedules that share one map; for two
 stages per worker the V's) and keeps the fastest
@@ -18,10 +27,10 @@ the same workers, each running its stages as one, holds as many of these
 stages' pairs as there are stages. If none fits (a loop of three stages per
 worker, say), the one that holds the fewest. Across processes every rank's
 costs are exchanged first, so every rank simulates the same and picks the
-same. Loss and gradients are the plain module's at every step, the first
-included (any valid schedule gives them). The simulation leaves out what it
-does not see: message times between ranks, the extra traffic of skips and
-ties, split graphs that live longer.
+same. Loss and gradients are the plain module's at every step, the
+measuring ones included (any valid schedule gives them). The simulation
+still leaves out what one number per hop cannot say: a message's time by
+its size (each hop is charged the same), split graphs that live longer.
 """
 import logging
 from dataclasses import dataclass
@@ -29,14 +38,21 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import simulate
-from torchpipe.schedule.generate import SPLITTING, build, choose_split, interleaved_zero_bubble, zero_bubble
+from torchpipe.schedule.generate import (
+    SPLITTING,
+    build,
+    choose_split,
+    interleaved_zero_bubble,
+    with_recomputation,
+    zero_bubble,
+)
 from torchpipe.schedule.vshape import zbv
 
-__all__ = ["Choice", "choose", "candidates", "placement_names", "measuring_schedule", "AutoTuner"]
+__all__ = ["Choice", "choose", "calibrate", "candidates", "placement_names", "measuring_schedule", "AutoTuner"]
 
 logger = logging.getLogger("torchpipe")
 
-_MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+_MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.RECOMPUTE)
 
 
 def placement_names(stages: int, workers: int) -> List[str]:
@@ -88,6 +104,8 @@ class Choice:
     table: Tuple[Tuple[str, float, int], ...]
     #: The most a worker may hold: 1F1B's busiest (the number of stages).
     limit: int
+    #: The time a message takes between workers that the simulations charged (see :func:`calibrate`).
+    communication: float = 0.0
 
     def build(self, microbatches: int, stages: int, workers: int) -> Schedule:
         """The chosen schedule for ``microbatches``."""
@@ -95,11 +113,13 @@ class Choice:
 
 
 def choose(
-    stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True
+    stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True,
+    communication: float = 0.0,
 ) -> Choice:
     """The fastest built-in schedule of the placement for ``costs(stage, kind)`` within 1F1B's memory.
 
-    ``splitting`` False leaves out the schedules that split backwards. Pure: the same costs give the same choice.
+    ``splitting`` False leaves out the schedules that split backwards; ``communication`` is added to every
+    dependency on another worker's action (a message's time). Pure: the same costs give the same choice.
 
     Example::
 
@@ -114,14 +134,46 @@ def choose(
     for name in candidates(stages, workers, splitting=splitting):
         if name == "zero_bubble":
             split = choose_split(microbatches, stages, costs)
-        run = simulate(_build(name, microbatches, stages, workers, split), lambda a: costs(a.stage, a.kind))
+        run = simulate(_build(name, microbatches, stages, workers, split), lambda a: costs(a.stage, a.kind),
+                       communication=communication)
         table.append((name, run.step_time, max(run.peak_activations)))
     fitting = [row for row in table if row[2] <= limit]
     if fitting:
         best = min(fitting, key=lambda row: row[1])  # the first of equal steps: the list's preference
     else:
         best = min(table, key=lambda row: (row[2], row[1]))
-    return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit)
+    return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication)
+
+
+def calibrate(schedule: Schedule, costs: Callable[[Action], float], span: float) -> float:
+    """The time a message between workers takes, as measured: the ``communication`` (at least 0) for which
+    :func:`simulate` runs ``schedule`` with ``costs`` (each action's measured time) in ``span``, the measured
+    step's span (0 where the actions alone take as long, or where none waits for another worker's).
+
+    Example::
+
+        >>> from torchpipe.schedule import Kind, one_f_one_b, simulate
+        >>> cost = lambda action: 2.0 if action.kind is Kind.BACKWARD else 1.0
+        >>> measured = simulate(one_f_one_b(4, 2), cost, communication=0.25).step_time
+        >>> round(calibrate(one_f_one_b(4, 2), cost, measured), 6)
+        0.25
+    """
+
+    def step(communication: float) -> float:
+        return simulate(schedule, costs, communication=communication).step_time
+
+    if span <= step(0.0):
+        return 0.0
+    low, high = 0.0, span
+    if step(high) < span:  # no hop on the way: nothing to charge
+        return 0.0
+    for _ in range(50):  # the step time grows with the hop's time: bisection
+        middle = (low + high) / 2
+        if step(middle) < span:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 def measuring_schedule(stages: int, workers: int, microbatches: int, *, splitting: bool = True) -> Schedule:
@@ -177,22 +229,62 @@ class AutoTuner:
 
     def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]],
                exchange: Optional[Callable[[List[float]], List[List[float]]]] = None, microbatches: int = 1) -> bool:
-        """Takes the first training step's timings (this rank's stages) and chooses; returns True (the schedule
-        changed). ``exchange`` gathers every rank's measurements (across processes; called on every rank)."""
+        """Takes the measuring step's timings (this rank's stages; with the span of its actions where ``timings``
+        is a :class:`~torchpipe.runtime.step.Timings`) and chooses; returns True (the schedule changed).
+        ``exchange`` gathers every rank's measurements (across processes; called on every rank)."""
         del microbatches  # the choice is for the Pipeline's chunks, whatever the first batch's size
-        mine = [float(v) for (s, kind), values in sorted(timings.items(), key=lambda item: (item[0][0],
-                _MEASURED.index(item[0][1]) if item[0][1] in _MEASURED else 9))
-                if kind in _MEASURED and values for v in (s, _MEASURED.index(kind), min(values))]
+        mine = [float(getattr(timings, "window", 0.0))]
+        for (s, kind), values in sorted(timings.items(), key=lambda item: (item[0][0], _MEASURED.index(item[0][1])
+                                        if item[0][1] in _MEASURED else 9)):
+            if kind in _MEASURED and values:
+                mine += [float(s), float(_MEASURED.index(kind)), float(len(values))] + [float(v) for v in values]
+        spans: List[float] = []
+        durations: Dict[Tuple[int, Kind], List[float]] = {}
         for values in [mine] if exchange is None else exchange(mine):
-            for k in range(0, len(values) - 2, 3):
-                self.costs[(int(values[k]), _MEASURED[int(values[k + 1])])] = values[k + 2]
-        choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting)
+            spans.append(values[0])
+            k = 1
+            while k + 2 < len(values):
+                key, count = (int(values[k]), _MEASURED[int(values[k + 1])]), int(values[k + 2])
+                durations[key] = list(values[k + 3 : k + 3 + count])
+                k += 3 + count
+        self.costs = {key: min(values) for key, values in durations.items() if key[1] is not Kind.RECOMPUTE}
+        communication = calibrate(*self._measured_step(durations), max(spans, default=0.0))
+        choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
+                                      communication=communication)
         steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
                           for name, step, peak in choice.table)
         logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
-                    "from the measured costs: %s; at most %d activations per worker)", choice.name, self.stages,
-                    self.workers, self.chunks, steps, choice.limit)
+                    "from the measured costs and %.3g a message between workers: %s; at most %d activations per "
+                    "worker)", choice.name, self.stages, self.workers, self.chunks, communication, steps,
+                    choice.limit)
         return True
+
+    def _measured_step(
+        self, durations: Mapping[Tuple[int, Kind], Sequence[float]]
+    ) -> Tuple[Schedule, Callable[[Action], float]]:
+        """The measuring step as it ran (its micro-batches and recomputations, from what was timed), and each
+        of its actions' own measured time (a stage's actions of a kind ran in the schedule's order)."""
+        microbatches = max((len(v) for (_, kind), v in durations.items() if kind is Kind.FORWARD), default=0)
+        recomputed = {s: len(v) for (s, kind), v in durations.items() if kind is Kind.RECOMPUTE}
+        schedule = with_recomputation(
+            measuring_schedule(self.stages, self.workers, microbatches or self.chunks, splitting=self.splitting),
+            lambda s, i: i < recomputed.get(s, 0),
+        )
+        own: Dict[Action, float] = {}
+        seen: Dict[Tuple[int, Kind], int] = {}
+        for actions in schedule.workers:
+            for action in actions:
+                key = (action.stage, action.kind)
+                k = seen[key] = seen.get(key, -1) + 1
+                times = durations.get(key, ())
+                if k < len(times):
+                    own[action] = times[k]
+
+        def cost(action: Action) -> float:
+            found = own.get(action)
+            return found if found is not None else self.cost(action.stage, action.kind)
+
+        return schedule, cost
 
     def cost(self, stage: int, kind: Kind) -> float:
         """A measured cost; one not measured from those that were (``B`` as ``I + W``, ``I`` and ``W`` as half
