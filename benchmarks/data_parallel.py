@@ -12,38 +12,37 @@ Prints, from one run with the modes interleaved (medians of ``--repeats``):
 Run: ``python benchmarks/data_parallel.py [--width 1024 --depth 8 --batch 256]``.
 """
 import argparse
-import os
-import platform
 import statistics
-import threading
-import time
-from typing import Callable, Dict, List
+import sys
+from functools import partial
+from pathlib import Path
 
-import torch
-from torch import nn
+if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torchpipe.parallel import DataParallel
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        model = names[0] if names else model
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical cores, torch {torch.__version__}"
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.steps import microbatched_train_step, train_step  # noqa: E402
+from benchmarks.harness.timing import Variant, at_once, round_robin  # noqa: E402
+from torchpipe.parallel import DataParallel  # noqa: E402
 
 
 def mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
 
 
-def timed(step: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
+def squared_mean(output: torch.Tensor) -> torch.Tensor:
+    """The benchmark's loss: the output's squares' mean."""
+    return output.pow(2).mean()
+
+
+def half_forward(module: nn.Module, chunk: torch.Tensor) -> None:
+    """A forward without autograd, on one intra-op thread (the calibration's work)."""
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        module(chunk)
 
 
 def main() -> None:
@@ -71,72 +70,32 @@ def main() -> None:
     gather_a = DataParallel(feature, ["cpu", "cpu"])
     gather_b = DataParallel(head, ["cpu", "cpu"])
 
-    def plain_step() -> None:
-        plain.zero_grad(set_to_none=True)
-        plain(x).pow(2).mean().backward()
-
-    def dp_step() -> None:
-        plain.zero_grad(set_to_none=True)
-        dp(x).pow(2).mean().backward()
-
     halves = list(x.chunk(2))
-
-    def by_hand_step() -> None:  # the micro-batched ideal's yardstick: the replicas' halves, one after another
-        plain.zero_grad(set_to_none=True)
-        for half in halves:
-            (plain(half).pow(2).mean() / 2).backward()
-
-    def chained_step() -> None:
-        feature.zero_grad(set_to_none=True)
-        head.zero_grad(set_to_none=True)
-        out = chain_b(chain_a(x))
-        out.pow(2).mean().backward()
-
-    def regathered_step() -> None:
-        feature.zero_grad(set_to_none=True)
-        head.zero_grad(set_to_none=True)
-        out = gather_b(gather_a(x))
-        out.pow(2).mean().backward()
-
-    # Calibration: the same two half-batch train steps on two bare threads (1 intra-op thread
-    # each) versus one after the other. Their ratio is what this machine allows right now
-    # (shared or throttled vCPUs show here, not only in DataParallel).
-
-    def half_step(chunk: torch.Tensor) -> None:
-        torch.set_num_threads(1)
-        with torch.no_grad():
-            plain(chunk)
+    # Calibration: the same two half-batch forwards on two bare threads (1 intra-op thread each) versus one
+    # after the other. Their ratio is what this machine allows right now (shared or throttled vCPUs show here,
+    # not only in DataParallel).
+    first, second = (partial(half_forward, plain, half) for half in halves)
 
     def bare_sequential() -> None:
-        for chunk in halves:
-            half_step(chunk)
+        first()
+        second()
 
-    def bare_threads() -> None:
-        threads = [threading.Thread(target=half_step, args=(c,)) for c in halves]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    steps: Dict[str, Callable[[], None]] = {
+    steps = {
         "calibration: 2 half forwards, in sequence": bare_sequential,
-        "calibration: 2 half forwards, 2 threads": bare_threads,
-        "plain, 1 thread": plain_step,
-        "2 half batches by hand, 1 thread": by_hand_step,
-        "DataParallel, 2 cpu replicas x 1 thread": dp_step,
-        "chained a -> b (no gather)": chained_step,
-        "gather a, re-scatter into b": regathered_step,
+        "calibration: 2 half forwards, 2 threads": at_once(first, second),
+        "plain, 1 thread": train_step(plain, x, loss_fn=squared_mean),
+        # The micro-batched ideal's yardstick: the replicas' halves, one after another.
+        "2 half batches by hand, 1 thread": microbatched_train_step(plain, x, 2, loss_fn=squared_mean),
+        "DataParallel, 2 cpu replicas x 1 thread": train_step(dp, x, loss_fn=squared_mean),
+        "chained a -> b (no gather)": train_step(nn.Sequential(chain_a, chain_b), x, loss_fn=squared_mean),
+        "gather a, re-scatter into b": train_step(nn.Sequential(gather_a, gather_b), x, loss_fn=squared_mean),
     }
-    for step in steps.values():  # warm up: workers start, allocator settles
-        step()
-        step()
-    times: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(args.repeats):
-        for name, step in steps.items():
-            times[name].append(timed(step))
+    # Two warm-up rounds (workers start, allocator settles), then every step once a round, in this order.
+    times = round_robin([Variant(name, step) for name, step in steps.items()], rounds=args.repeats, warmup=2,
+                        quiet=True, rotate=False)
     median = {name: statistics.median(t) for name, t in times.items()}
 
-    print(f"machine: {machine()}")
+    print(f"machine: {machine_description()}")
     print(f"model: {args.depth} x Linear({args.width}) + Tanh, batch {args.batch}, train step (forward + backward)")
     for name, value in median.items():
         print(f"  {name:42s} {value * 1e3:8.1f} ms (median of {args.repeats}, interleaved)")

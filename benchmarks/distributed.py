@@ -53,7 +53,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks import common, models  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness.cpu import THREAD_KINDS, thread_cpu  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
+from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
+from benchmarks.harness.timing import rotated  # noqa: E402
 
 WORLD = 2
 LAYERS = 16
@@ -144,14 +150,10 @@ def rank_main(
         first_step[config] = time.perf_counter() - start
     plain = models.mlp(layers, width)
 
-    def plain_step() -> None:
-        loss_fn(plain(x), y).backward()
-        for p in plain.parameters():
-            p.grad = None
-
-    hand_step = common.microbatched_train_step(plain, x, CHUNKS, target=y, loss_fn=loss_fn)
+    plain_step = train_step(plain, x, target=y, loss_fn=loss_fn)
+    hand_step = microbatched_train_step(plain, x, CHUNKS, target=y, loss_fn=loss_fn)
     # A stage's share of the by-hand work (both halves have the same shape): the machine line's yardstick.
-    half_step = common.microbatched_train_step(
+    half_step = microbatched_train_step(
         nn.Sequential(*list(plain.children())[: len(plain) // 2]), x, CHUNKS, target=y, loss_fn=loss_fn
     )
 
@@ -175,7 +177,7 @@ def rank_main(
             start = time.perf_counter()
             hand_step()
             hand_times.append(time.perf_counter() - start)
-        for config in common.rotated(configs, round_):  # none always after the by-hand step or one library
+        for config in rotated(configs, round_):  # none always after the by-hand step or one library
             runner = runners[config]
             dist.barrier()
             start = time.perf_counter()
@@ -183,12 +185,12 @@ def rank_main(
             pipe_times[config].append(time.perf_counter() - start)
             if burst:  # steps back to back, as in training (one step after a barrier starts on idle threads)
                 dist.barrier()
-                before = common.thread_cpu()
+                before = thread_cpu()
                 start = time.perf_counter()
                 for _ in range(burst):
                     runner.step(x, y)
                 burst_times[config].append((time.perf_counter() - start) / burst)
-                for kind, (seconds, switches) in common.thread_cpu().items():
+                for kind, (seconds, switches) in thread_cpu().items():
                     was = before.get(kind, (0.0, 0))
                     cpu, count = burst_cpu[config].get(kind, (0.0, 0))
                     burst_cpu[config][kind] = (cpu + seconds - was[0], count + switches - was[1])
@@ -217,7 +219,7 @@ def rank_main(
                             burst_cpu[config].items()} for config in configs
         }))
     if rank == 0:
-        ideal = (CHUNKS + WORLD - 1) / (CHUNKS * WORLD)
+        ideal = pipeline_ideal(WORLD, CHUNKS)
         two = statistics.median(two_processes)
         shared = {  # every configuration's rounds had the same yardsticks
             "plain_ms": statistics.median(plain_times) * 1e3, "hand_ms": statistics.median(hand_times) * 1e3,
@@ -264,7 +266,7 @@ def measure(
     rank, CPU ms and context switches a step by kind of thread). Where a torchpipe schedule's rival (its
     schedule in pipelining) is measured too, ``vs_rival`` (and ``burst_vs_rival``) compare the two round by
     round."""
-    port = common.free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
         spawned = time.time()
@@ -272,7 +274,7 @@ def measure(
                      "--batch", str(batch), "--rounds", str(rounds), "--out", out, "--spawned", repr(spawned),
                      "--layers", str(layers), "--width", str(width), "--burst", str(burst)] for rank in range(WORLD)]
         names = ", ".join(map(_name, configs))
-        common.run_ranks(commands, common.rank_environment(port), timeout, f"{names}, batch {batch}")
+        run_ranks(commands, rank_environment(port), timeout, f"{names}, batch {batch}")
         results: Dict[str, Dict[str, Any]] = json.loads(Path(out).read_text())
         if burst:
             cpu = [json.loads(Path(f"{out}.cpu{rank}").read_text()) for rank in range(WORLD)]
@@ -313,7 +315,7 @@ def main() -> None:
         rank_main(args.rank, [_config(name) for name in args.configs], args.batch, args.rounds, args.out,
                   args.spawned, args.layers, args.width, args.burst)
         return
-    print(f"machine: {common.machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
+    print(f"machine: {machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
     print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}; the {len(CONFIGS)} configurations "
           f"in one pair of processes, a step of each in every round (in turn, the order rotating)")
     rows: List[List[Any]] = []
@@ -325,12 +327,12 @@ def main() -> None:
             rows.append([name, batch, result["speedup"], result["of_ideal"], result["machine_line"],
                          GOALS.get(batch), _versus(result, "vs_rival"), result["pipe_ms"], result["plain_ms"],
                          result["hand_ms"], result["two_processes"], result["first_step_s"]])
-        print(common.format_table(HEADERS, rows[-len(measured):]), flush=True)
+        print(format_table(HEADERS, rows[-len(measured):]), flush=True)
     if len(args.batches) > 1:
         print()
-        print(common.format_table(HEADERS, rows))
+        print(format_table(HEADERS, rows))
     print("(speed-up: median over rounds of plain step time / pipelined step time; of ideal: median of the by-hand "
-          f"time x {(CHUNKS + WORLD - 1) / (CHUNKS * WORLD):.4f} / pipelined step time; vs pipelining: median over "
+          f"time x {pipeline_ideal(WORLD, CHUNKS):.4f} / pipelined step time; vs pipelining: median over "
           "rounds of the step time of pipelining's same schedule / torchpipe's (> 1: torchpipe faster), and in how "
           f"many rounds torchpipe was faster; by hand: the same {CHUNKS} micro-batches through the plain module on "
           "one thread; two processes: each rank a half's by-hand work at once / rank 0 both halves in turn; machine "
@@ -345,12 +347,12 @@ def main() -> None:
     for name, result in measured.items():
         results[f"{name} fixed cost"] = result
         cpu = result["cpu"]
-        per_kind = [sum(rank.get(kind, [0.0, 0.0])[0] for rank in cpu) for kind in common.THREAD_KINDS]
+        per_kind = [sum(rank.get(kind, [0.0, 0.0])[0] for rank in cpu) for kind in THREAD_KINDS]
         switches = sum(value[1] for rank in cpu for value in rank.values())
         fixed.append([name, result["pipe_burst_ms"], _versus(result, "burst_vs_rival"), result["pipe_ms"],
                       sum(per_kind), *per_kind, switches])
-    print(common.format_table(["configuration", "fixed cost of a step, ms", "vs pipelining", "after a barrier, ms",
-                               "CPU ms", *(f"{kind} ms" for kind in common.THREAD_KINDS), "switches"], fixed))
+    print(format_table(["configuration", "fixed cost of a step, ms", "vs pipelining", "after a barrier, ms",
+                        "CPU ms", *(f"{kind} ms" for kind in THREAD_KINDS), "switches"], fixed))
     print(f"(median step time of a {FIXED_LAYERS}x{FIXED_WIDTH} MLP, batch {FIXED_BATCH}, chunks {CHUNKS}: "
           f"{CHUNKS} micro-batches cross each way with next to no computing; steps {FIXED_BURST} back to back, as "
           "in training, and one step after a barrier, which starts on idle threads and cold caches; vs pipelining: "
@@ -360,7 +362,7 @@ def main() -> None:
           "store's server, in rank 0; other threads: the ones Python started); switches: their context switches a "
           "step. CPU ms / step time: how many cores the step keeps busy on average)")
     if args.json:
-        common.save_json(args.json, {"results": results, "goals": GOALS})
+        save_json(args.json, {"results": results, "goals": GOALS})
 
 
 if __name__ == "__main__":

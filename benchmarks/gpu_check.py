@@ -65,11 +65,13 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 import torch  # noqa: E402
 
-from benchmarks import common, gpu_sections  # noqa: E402
+from benchmarks import gpu_sections  # noqa: E402
 from benchmarks.gpu_report import markdown  # noqa: E402
 from benchmarks.gpu_sections import DRY, GPU, Child, tail, write_atomically  # noqa: E402
+from benchmarks.harness import ROOT  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.processes import child_environment  # noqa: E402
 
-ROOT = common.ROOT
 #: The whole check's time on the GPU machine, and the dry run's (its sections end long before: a hang's limit).
 BUDGET_S = 480.0
 DRY_BUDGET_S = 240.0
@@ -251,7 +253,7 @@ def header(args: argparse.Namespace) -> Dict[str, Any]:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "transformers": package_version("transformers"), "pytest": package_version("pytest"),
         "commit": git_commit(), "source_fingerprint": source_fingerprint(),
-        "machine": common.machine_description(), "budget_s": args.budget,
+        "machine": machine_description(), "budget_s": args.budget,
         "command": " ".join([Path(sys.executable).name] + sys.argv),
     }
 
@@ -326,9 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_section(section: Section, args: argparse.Namespace, folder: Path, allowed: float) -> Outcome:
     result = folder / f"{section.name}.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["PYTHONUNBUFFERED"] = "1"
+    env = child_environment(PYTHONUNBUFFERED="1")
     if section.name == "distributed":
         env["CUDA_VISIBLE_DEVICES"] = ""  # its Pipeline would otherwise take cuda:LOCAL_RANK: this is the CPU's
     elif section.name == "tests" and not args.dry_run and torch.cuda.device_count() < 2:

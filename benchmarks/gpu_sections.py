@@ -24,9 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchpipe
-from benchmarks import common, models
+from benchmarks import models
+from benchmarks.harness import ROOT
+from benchmarks.harness.machine import cores
+from benchmarks.harness.memory import step_peak_bytes
+from benchmarks.harness.steps import Step, drop_grads, microbatched_train_step, pipeline_step, train_step
+from benchmarks.harness.timing import Variant, median_ratio, round_robin
 
-ROOT = common.ROOT
 MiB = 1024 * 1024
 #: Micro-batches of the GPipe and Pipeline figures.
 CHUNKS = 8
@@ -148,36 +152,10 @@ def finite(value: float) -> Optional[float]:
     return value if math.isfinite(value) else None
 
 
-def peak_memory(device: torch.device, step: common.Step) -> Optional[int]:
-    """Bytes the step adds at its peak to what was allocated before it.
-
-    On CUDA: ``torch.cuda.max_memory_allocated`` (reset before the step) minus ``memory_allocated`` before it. On
-    the CPU (the dry run): the process's peak resident set size (reset through ``/proc/self/clear_refs``) above
-    its size before, a coarse figure; None where the peak cannot be reset.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - before)
-    if not common.reset_peak_rss():
-        return None
-    before = common.proc_status_bytes("VmRSS")
-    step()
-    return max(0, common.proc_status_bytes("VmHWM") - before)
-
-
 def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
     if numerator is None or not denominator:
         return None
     return numerator / denominator
-
-
-def even(layers: int, stages: int) -> List[int]:
-    """An even split of ``layers`` into ``stages`` (the first ones one longer)."""
-    return [layers // stages + (1 if j < layers % stages else 0) for j in range(stages)]
 
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:
@@ -185,11 +163,6 @@ def relative_error(actual: Tensor, expected: Tensor) -> float:
     difference = float((actual.double() - expected.double()).norm())
     norm = float(expected.double().norm())
     return difference / norm if norm > 0 else (0.0 if difference == 0 else math.inf)
-
-
-def drop_grads(module: nn.Module) -> None:
-    for p in module.parameters():
-        p.grad = None
 
 
 # --- 1. the CUDA tests --------------------------------------------------------------------------------------
@@ -315,7 +288,7 @@ class Measured:
         """The median over rounds of ``name``'s time over ``yardstick``'s in the same round (None: not measured)."""
         if yardstick is None or yardstick not in self or name not in self:
             return None
-        return common.median_ratio(self.times, name, yardstick)
+        return median_ratio(self.times, name, yardstick)
 
     def peak_mib(self, name: str) -> Optional[float]:
         return ratio(self.peaks.get(name), MiB)
@@ -330,23 +303,23 @@ class Measured:
                 "memory_vs_plain": self.memory_over(name, PLAIN) if name != PLAIN else None}
 
 
-def run_once(step: common.Step) -> bool:
+def run_once(step: Step) -> bool:
     step()
     return True
 
 
-def measure_steps(child: Child, unit: str, steps: Mapping[str, common.Step]) -> Measured:
+def measure_steps(child: Child, unit: str, steps: Mapping[str, Step]) -> Measured:
     """Each step's times and peak memory. A step is tried once first: one that raises is recorded as an error of
     its own and left out, so that the others are still measured."""
     working = {name: step for name, step in steps.items()
                if child.attempt(f"{unit}: {name}", functools.partial(run_once, step))}
-    variants = [common.Variant(name, step) for name, step in working.items()]
+    variants = [Variant(name, step) for name, step in working.items()]
     times = child.attempt(f"{unit}: timing", functools.partial(
-        common.round_robin, variants, rounds=child.sizes.rounds, warmup=child.sizes.warmup, device=child.device,
+        round_robin, variants, rounds=child.sizes.rounds, warmup=child.sizes.warmup, device=child.device,
         quiet=True)) if variants else None
     if times is None:
         return Measured({}, {})
-    peaks = {name: child.attempt(f"{unit}: {name}: memory", functools.partial(peak_memory, child.device, step))
+    peaks = {name: child.attempt(f"{unit}: {name}: memory", functools.partial(step_peak_bytes, step, child.device))
              for name, step in working.items()}
     return Measured(times, peaks)
 
@@ -358,13 +331,12 @@ def gpipe_unit(child: Child, model: str, precision: str) -> None:
     def wrap(m: nn.Module) -> nn.Module:
         return Autocast(m, child.device.type) if precision != "float32" else m
 
-    steps = {PLAIN: common.train_step(wrap(module), x),
-             BY_HAND: common.microbatched_train_step(wrap(module), x, CHUNKS)}
+    steps = {PLAIN: train_step(wrap(module), x), BY_HAND: microbatched_train_step(wrap(module), x, CHUNKS)}
     for name, partitions, chunks, checkpoint in GPIPE_CONFIGS:
         built = child.attempt(f"{unit}: {name}: GPipe", functools.partial(
             build_gpipe, module, partitions, chunks, checkpoint, child.device))
         if built is not None:
-            steps[name] = common.train_step(wrap(built), x)
+            steps[name] = train_step(wrap(built), x)
     measured = measure_steps(child, unit, steps)
     rows = child.results.setdefault("rows", [])
     for name, partitions, chunks, checkpoint in [(PLAIN, 1, 1, "-"), (BY_HAND, 1, CHUNKS, "-")] + GPIPE_CONFIGS:
@@ -379,8 +351,8 @@ def gpipe_unit(child: Child, model: str, precision: str) -> None:
 def build_gpipe(module: nn.Sequential, partitions: int, chunks: int, checkpoint: str,
                 device: torch.device) -> torchpipe.GPipe:
     """A GPipe of a copy of ``module``: an even split into ``partitions``, every one on ``device``."""
-    return torchpipe.GPipe(copy.deepcopy(module), even(len(module), partitions), devices=[device] * partitions,
-                           chunks=chunks, checkpoint=checkpoint)
+    return torchpipe.GPipe(copy.deepcopy(module), models.even_balance(len(module), partitions),
+                           devices=[device] * partitions, chunks=chunks, checkpoint=checkpoint)
 
 
 def run_gpipe(child: Child) -> None:
@@ -406,13 +378,13 @@ STAGES_PER_WORKER = {"interleaved_1f1b": 2}
 
 
 def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: Tensor, loss: float,
-                  grads: Mapping[str, Tensor]) -> common.Step:
+                  grads: Mapping[str, Tensor]) -> Step:
     """A two-worker Pipeline of ``name`` checked against the plain module's loss and gradients, and its step."""
     from torchpipe.runtime.tune import TUNING_STEPS
 
     stages = 2 * STAGES_PER_WORKER.get(name, 1)
-    pipe = torchpipe.Pipeline(copy.deepcopy(module), even(len(module), stages), chunks=CHUNKS, schedule=name,
-                              loss_fn=F.mse_loss, devices=[child.device, child.device])
+    pipe = torchpipe.Pipeline(copy.deepcopy(module), models.even_balance(len(module), stages), chunks=CHUNKS,
+                              schedule=name, loss_fn=F.mse_loss, devices=[child.device, child.device])
     got = float(pipe.step(x, y))
     # A Pipeline names its parameters as the plain Sequential does ("3.weight"); one without a gradient: inf.
     errors = {key: relative_error(p.grad, grads[key]) if p.grad is not None and key in grads else math.inf
@@ -432,11 +404,7 @@ def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: 
             pipe.step(x, y)
             drop_grads(pipe)
 
-    def step() -> None:
-        pipe.step(x, y)
-        drop_grads(pipe)
-
-    return step
+    return pipeline_step(pipe, x, y)
 
 
 def run_schedules(child: Child) -> None:
@@ -452,12 +420,9 @@ def run_schedules(child: Child) -> None:
     grads = {key: p.grad.clone() for key, p in module.named_parameters() if p.grad is not None}
     drop_grads(module)
 
-    def plain() -> None:
-        F.mse_loss(module(x), y).backward()  # type: ignore[no-untyped-call]
-        drop_grads(module)
-
-    steps: Dict[str, common.Step] = {
-        PLAIN: plain, BY_HAND: common.microbatched_train_step(module, x, CHUNKS, target=y, loss_fn=F.mse_loss)}
+    steps: Dict[str, Step] = {
+        PLAIN: train_step(module, x, target=y, loss_fn=F.mse_loss),
+        BY_HAND: microbatched_train_step(module, x, CHUNKS, target=y, loss_fn=F.mse_loss)}
     for name in NAMES:
         step = child.attempt(name, functools.partial(schedule_unit, child, name, module, x, y, float(loss), grads))
         if step is not None:
@@ -554,11 +519,7 @@ def language_model_unit(child: Child, name: str) -> None:
         next_token_loss(plain(input_ids=ids, use_cache=False).logits, ids).backward()  # type: ignore
         drop_grads(plain)
 
-    def pipe_step() -> None:
-        pipe.step(ids, ids)
-        drop_grads(pipe)
-
-    measured = measure_steps(child, name, {PLAIN: plain_step, PIPELINE: pipe_step})
+    measured = measure_steps(child, name, {PLAIN: plain_step, PIPELINE: pipeline_step(pipe, ids, ids)})
     for variant, key in ((PLAIN, "plain"), (PIPELINE, "pipeline")):
         if variant in measured:
             check[f"tokens_per_s_{key}"] = batch * length / (measured.step_ms(variant) / 1e3)
@@ -590,7 +551,7 @@ def run_distributed(child: Child) -> None:
     from benchmarks import distributed
 
     sizes = child.sizes
-    child.notes.append(f"{distributed.WORLD} gloo ranks of 1 intra-op thread on {common.cores()} cores, CUDA hidden; "
+    child.notes.append(f"{distributed.WORLD} gloo ranks of 1 intra-op thread on {cores()} cores, CUDA hidden; "
                        f"benchmarks/distributed.py has no world-size option (WORLD = {distributed.WORLD}): "
                        "no figures at 4 ranks")
     child.results["workload"] = (f"{distributed.LAYERS}x{distributed.WIDTH} Linear+ReLU MLP, MSE loss, "

@@ -28,7 +28,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import torchpipe  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.output import save_json  # noqa: E402
+from benchmarks.harness.steps import train_step  # noqa: E402
+from benchmarks.harness.timing import Variant, compare  # noqa: E402
+from benchmarks.models import Logits  # noqa: E402
 
 GOAL = 1.05
 
@@ -43,17 +47,6 @@ def gpt2(layers: int, width: int, vocab: int, tie: bool, dropout: float) -> nn.M
         attn_pdrop=dropout,
     )
     return transformers.GPT2LMHeadModel(config)
-
-
-class Logits(nn.Module):
-    """The plain model as the Sequential is called: token ids in, logits out."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
 
 
 def pair(args: argparse.Namespace, tie: bool, ids: torch.Tensor) -> Tuple[nn.Module, nn.Sequential]:
@@ -76,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.length))
-    print(f"machine: {common.machine_description()}; {torch.get_num_threads()} intra-op thread")
+    print(f"machine: {machine_description()}; {torch.get_num_threads()} intra-op thread")
     print(f"GPT-2: {args.layers} layers, width {args.width}, vocabulary {args.vocab}, dropout {args.dropout}; "
           f"batch {args.batch} x {args.length} tokens; train step = forward + logits.mean().backward()")
 
@@ -95,9 +88,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(header)
     print("-" * len(header))
     for name, plain, other in configurations:
-        [result] = common.compare(
-            common.Variant("plain", common.train_step(plain, ids)),
-            [common.Variant(name, common.train_step(other, ids))],
+        [result] = compare(
+            Variant("plain", train_step(plain, ids)),
+            [Variant(name, train_step(other, ids))],
             rounds=args.rounds, warmup=3, quiet=True,
         )
         rows[name] = {"ratio": result.ratio, "plain_s": result.plain_seconds, "seconds": result.seconds}
@@ -106,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
           "micro-batch, so the plain step is also the micro-batched ideal)")
     results = {"ratios": rows, "goal": GOAL, "args": vars(args)}
     if args.json:
-        common.save_json(args.json, results)
+        save_json(args.json, results)
     return results
 
 

@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,7 +65,19 @@ from torch import Tensor, nn  # noqa: E402
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline  # noqa: E402
 
 import torchpipe  # noqa: E402
-from benchmarks import common  # noqa: E402
+from benchmarks.harness.machine import intra_op_threads, machine_description  # noqa: E402
+from benchmarks.harness.memory import step_peak_bytes  # noqa: E402
+from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
+from benchmarks.harness.steps import (  # noqa: E402
+    Step,
+    drop_grads,
+    microbatched_train_step,
+    pipeline_step,
+    train_step,
+)
+from benchmarks.harness.timing import rotated  # noqa: E402
+from benchmarks.models import Logits  # noqa: E402
 
 WORLD = 2
 MiB = 1024 * 1024
@@ -104,42 +116,25 @@ def gpt2(shape: Dict[str, int], seed: int = 0) -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-class Logits(nn.Module):
-    """The plain model as the Sequential is called: token ids in, logits out."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
-
-
 def next_token_loss(logits: Tensor, ids: Tensor) -> Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-
-
-def drop_grads(module: nn.Module) -> None:
-    for p in module.parameters():
-        p.grad = None
 
 
 # --- memory ------------------------------------------------------------------------------------------------
 
 
-def peak_of(step: Callable[[], None]) -> int:
+def peak_of(step: Step) -> int:
     """Bytes the step adds at its peak to this process's resident set (VmHWM reset just before it)."""
-    if not common.reset_peak_rss():
+    peak = step_peak_bytes(step)
+    if peak is None:
         raise RuntimeError("the step's peak memory needs /proc/self/clear_refs (Linux 4.0+)")
-    before = common.proc_status_bytes("VmRSS")
-    step()
-    return max(0, common.proc_status_bytes("VmHWM") - before)
+    return peak
 
 
 # --- the variants on this rank -------------------------------------------------------------------------------
 
 
-def variants(rank: int, shape: Dict[str, int], ids: Tensor) -> Dict[str, Callable[[], None]]:
+def variants(rank: int, shape: Dict[str, int], ids: Tensor) -> Dict[str, Step]:
     """Each variant's train step on this rank (forward, loss, backward; gradients dropped)."""
     chunks, half = shape["chunks"], shape["layers"] // 2
     model = gpt2(shape)
@@ -148,42 +143,24 @@ def variants(rank: int, shape: Dict[str, int], ids: Tensor) -> Dict[str, Callabl
     # Stage 1 starts at block `half`, for torchpipe as for pipelining.
     cut = next(k for k, layer in enumerate(seq) if layer.name.startswith(f"transformer.h.{half}."))  # type: ignore
     balance = [cut, len(seq) - cut]
-    steps: Dict[str, Callable[[], None]] = {}
+    steps: Dict[str, Step] = {}
 
     if rank == 0:
-        def plain_step() -> None:
-            next_token_loss(plain(ids), ids).backward()
-            drop_grads(plain)
-
-        def by_hand() -> None:
-            for part in ids.chunk(chunks):
-                (next_token_loss(plain(part), part) * (len(part) / len(ids))).backward()
-            drop_grads(plain)
-
         for name in PLAIN:
-            steps[name] = plain_step
+            steps[name] = train_step(plain, ids, target=ids, loss_fn=next_token_loss)
         for name in BY_HAND:
-            steps[name] = by_hand
+            steps[name] = microbatched_train_step(plain, ids, chunks, target=ids, loss_fn=next_token_loss)
         for schedule in ("1f1b", "gpipe"):
-            with common.intra_op_threads(2):  # the workers split the caller's threads: one each
+            with intra_op_threads(2):  # the workers split the caller's threads: one each
                 local = torchpipe.Pipeline(copy.deepcopy(seq), balance, chunks=chunks, schedule=schedule,
                                            loss_fn=next_token_loss, devices=["cpu", "cpu"])
-
-            def local_step(pipe: Any = local) -> None:
-                pipe.step(ids, ids)
-                drop_grads(pipe)
-
-            steps[f"torchpipe {schedule}, 2 workers"] = local_step
+            steps[f"torchpipe {schedule}, 2 workers"] = pipeline_step(local, ids, ids)
 
     for schedule in ("1f1b", "gpipe"):
         pipe = torchpipe.Pipeline(copy.deepcopy(seq), balance, chunks=chunks, schedule=schedule,
                                   loss_fn=next_token_loss, group=dist.group.WORLD)
-
-        def ranks_step(pipe: Any = pipe) -> None:
-            pipe.step(ids if rank == 0 else None, ids if rank == WORLD - 1 else None)
-            drop_grads(pipe)
-
-        steps[f"torchpipe {schedule}, 2 ranks"] = ranks_step
+        steps[f"torchpipe {schedule}, 2 ranks"] = pipeline_step(pipe, ids if rank == 0 else None,
+                                                                ids if rank == WORLD - 1 else None)
 
     split = pipeline(Logits(copy.deepcopy(model)), mb_args=(ids.chunk(chunks)[0],),
                      split_spec={f"model.transformer.h.{half}": SplitPoint.BEGINNING})
@@ -210,13 +187,13 @@ def threads(name: str) -> Optional[int]:
     return dict(VARIANTS)[name]
 
 
-def run_variant(name: str, step: Callable[[], None], rank: int) -> Optional[float]:
+def run_variant(name: str, step: Step, rank: int) -> Optional[float]:
     """One step of the variant between barriers; its seconds (None on a rank that had nothing to do)."""
     dist.barrier()
     start = time.perf_counter()
     ran = False
     if not in_process(name) or rank == 0:
-        with common.intra_op_threads(threads(name)):
+        with intra_op_threads(threads(name)):
             step()
         ran = True
     dist.barrier()
@@ -279,15 +256,14 @@ def rank_main(rank: int, shape: Dict[str, int], rounds: int, warmup: int, out: s
         dist.barrier()
         runs_here = rank == 0 or not in_process(name)
         if runs_here:
-            with common.intra_op_threads(threads(name)):
+            with intra_op_threads(threads(name)):
                 peaks[name] = peak_of(steps[name])
         else:
             peaks[name] = None
         dist.barrier()
     times: Dict[str, List[float]] = {name: [] for name in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate, so no variant always follows another
-        for name in order:
+        for name in rotated(names, r):  # no variant always follows another
             seconds = run_variant(name, steps.get(name, lambda: None), rank)
             if seconds is not None:
                 times[name].append(seconds)
@@ -317,14 +293,14 @@ def rank_main(rank: int, shape: Dict[str, int], rounds: int, warmup: int, out: s
 
 def measure(shape: Dict[str, int], rounds: int, warmup: int, timeout: float = 1200.0) -> Dict[str, Any]:
     """Starts the 2 ranks, waits for them (killed after ``timeout`` s), and returns rank 0's figures."""
-    port = common.free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
         commands = [[sys.executable, __file__, "--rank", str(rank), "--shape", json.dumps(shape), "--rounds",
                      str(rounds), "--warmup", str(warmup), "--out", out] for rank in range(WORLD)]
         # Large blocks straight from mmap and back on free: the resident set follows live tensors.
-        env = common.rank_environment(port, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-        common.run_ranks(commands, env, timeout, "lm_pipeline")
+        env = rank_environment(port, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        run_ranks(commands, env, timeout, "lm_pipeline")
         return dict(json.loads(Path(out).read_text()))
 
 
@@ -353,7 +329,7 @@ def report(shape: Dict[str, int], figures: Dict[str, Any]) -> Dict[str, Any]:
                                                                                    for p in peaks]}
         rows.append([name, tokens / median[name], against["plain"], against["by hand"], against.get("pipelining"),
                      of_ideal, median[name] * 1e3] + [None if p is None else p / MiB for p in peaks])
-    print(common.format_table(
+    print(format_table(
         ["variant", "tokens/s", "vs plain", "vs by hand", "vs pipelining", "of ideal", "step ms", "peak MiB rank 0",
          "peak MiB rank 1"], rows))
     print("(vs X: tokens/s over X's, from the medians of the interleaved rounds, X's faster thread count; > 1 is "
@@ -383,7 +359,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         return {}
     shape = QUICK if args.quick else FULL
     rounds, warmup = (1, 1) if args.quick else (args.rounds, args.warmup)
-    print(f"machine: {common.machine_description()}; 2 gloo ranks on 127.0.0.1, 1 intra-op thread each "
+    print(f"machine: {machine_description()}; 2 gloo ranks on 127.0.0.1, 1 intra-op thread each "
           f"(2 workers in one process: 1 each)")
     print(f"GPT-2: {shape['layers']} blocks, width {shape['width']}, vocabulary {VOCAB}, embedding and head tied; "
           f"batch {shape['batch']} x {shape['length']} tokens, {shape['chunks']} micro-batches, next-token "
@@ -392,7 +368,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     results = report(shape, figures)
     results.update({"shape": shape, "rounds": rounds})
     if args.json:
-        common.save_json(args.json, results)
+        save_json(args.json, results)
     return results
 
 

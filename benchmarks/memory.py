@@ -28,7 +28,12 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks import common, models  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness.machine import cores, default_device, machine_description, torchgpipe_module  # noqa: E402
+from benchmarks.harness.memory import cpu_peak_rss_bytes  # noqa: E402
+from benchmarks.harness.output import bar_plot, format_table, progress, save_json  # noqa: E402
+from benchmarks.harness.processes import run_in_child  # noqa: E402
+from benchmarks.harness.steps import train_step  # noqa: E402
 
 MODES = ("never", "except_last", "always")
 MiB = 1024 * 1024
@@ -58,9 +63,9 @@ def measure(model: str, preset: str, library: str, batch: int, partitions: int =
 
     ``library``: 'plain', 'torchpipe' or 'torchgpipe'. Balance: an even split of layers.
     """
-    from benchmarks.speed import even_balance, pipeline_devices
+    from benchmarks.speed import pipeline_devices
 
-    torch.set_num_threads(common.cores())
+    torch.set_num_threads(cores())
     dev = torch.device(device)
     plain, sequential, shape = _workload(model, preset, "torchgpipe" if library == "torchgpipe" else "torchpipe")
     module: nn.Module
@@ -72,7 +77,7 @@ def measure(model: str, preset: str, library: str, batch: int, partitions: int =
         if found is None:
             raise RuntimeError(f"{partitions} partitions need {partitions} CUDA devices")
         devices = found
-        balance = even_balance(len(sequential), partitions)
+        balance = models.even_balance(len(sequential), partitions)
         if library == "torchpipe":
             import torchpipe
 
@@ -82,11 +87,11 @@ def measure(model: str, preset: str, library: str, batch: int, partitions: int =
 
             module = torchgpipe.GPipe(sequential, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
     x = torch.randn((batch,) + tuple(shape[1:]), device=dev)
-    step = common.train_step(module, x)
+    step = train_step(module, x)
     # Warm-up on two samples per micro-batch (BatchNorm needs two), so that lazy initialisation (kernels,
     # thread pools, the workers and their malloc arenas) lands in the baseline: the figure is the batch's own.
     warm = 2 * chunks if library != "plain" else 2
-    common.train_step(module, torch.randn((warm,) + tuple(shape[1:]), device=dev))()
+    train_step(module, torch.randn((warm,) + tuple(shape[1:]), device=dev))()
     if dev.type == "cuda":
         for d in set(devices):
             torch.cuda.synchronize(d)
@@ -96,15 +101,15 @@ def measure(model: str, preset: str, library: str, batch: int, partitions: int =
             step()
         peak = sum(torch.cuda.max_memory_allocated(d) for d in set(devices))
     else:
-        base = common.cpu_peak_rss_bytes()
+        base = cpu_peak_rss_bytes()
         for _ in range(steps):
             step()
-        peak = common.cpu_peak_rss_bytes()
+        peak = cpu_peak_rss_bytes()
     return {"baseline_bytes": base, "peak_bytes": peak, "step_bytes": max(0, peak - base)}
 
 
 def _child(kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    return dict(common.run_in_child("benchmarks.memory:measure", kwargs))
+    return dict(run_in_child("benchmarks.memory:measure", kwargs))
 
 
 def peak_table(args: argparse.Namespace, model: str, pool: ThreadPoolExecutor, bar: Any) -> Dict[str, Any]:
@@ -115,10 +120,10 @@ def peak_table(args: argparse.Namespace, model: str, pool: ThreadPoolExecutor, b
             for chunks in args.chunks:
                 jobs.append((f"{library} {checkpoint} chunks={chunks}",
                              {"library": library, "checkpoint": checkpoint, "chunks": chunks}))
-    common_kwargs = {"model": model, "preset": args.preset, "device": args.device, "partitions": args.partitions}
+    shared_kwargs = {"model": model, "preset": args.preset, "device": args.device, "partitions": args.partitions}
 
     def run(job: Tuple[str, Dict[str, Any]]) -> Dict[str, Any]:
-        result = _child({**common_kwargs, "batch": batch_of(args, model), **job[1]})
+        result = _child({**shared_kwargs, "batch": batch_of(args, model), **job[1]})
         bar.update(1)
         return result
 
@@ -185,24 +190,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--plot", default=None)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    args.device = str(common.default_device(args.device))
-    args.torchgpipe = not args.no_torchgpipe and common.torchgpipe_module() is not None
+    args.device = str(default_device(args.device))
+    args.torchgpipe = not args.no_torchgpipe and torchgpipe_module() is not None
     how = ("peak RSS (VmHWM) of a child process minus its peak after a tiny warm-up step"
            if args.device == "cpu" else "torch.cuda.max_memory_allocated minus memory_allocated before the step")
-    print(f"machine: {common.machine_description(torch.device(args.device))}")
+    print(f"machine: {machine_description(torch.device(args.device))}")
     print(f"preset {args.preset}, {args.partitions} partitions (even split), memory = {how}; "
           f"torchgpipe: {'yes' if args.torchgpipe else 'no'}")
     results: Dict[str, Any] = {"preset": args.preset, "device": args.device, "partitions": args.partitions,
                                "measure": how, "models": {}}
     per_model = 1 + (2 if args.torchgpipe else 1) * len(MODES) * len(args.chunks)
-    bar = common.progress(per_model * len(args.models), desc="memory", disable=args.quiet)
+    bar = progress(per_model * len(args.models), desc="memory", disable=args.quiet)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         tables = {m: peak_table(args, m, pool, bar) for m in args.models}
     bar.close()
     for model, table in tables.items():
         print(f"\n{model} (batch {batch_of(args, model)}): step memory above baseline")
         rows = [[name, m["step_bytes"] / MiB, m["ratio"]] for name, m in table.items()]
-        print(common.format_table(["configuration", "MiB", "x plain"], rows), flush=True)
+        print(format_table(["configuration", "MiB", "x plain"], rows), flush=True)
         results["models"][model] = {"batch": batch_of(args, model), "peak": table}
     if args.budget_mb:
         chunks = args.budget_chunks
@@ -210,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if args.torchgpipe and args.budget_torchgpipe:
             searches += [("torchgpipe", c) for c in MODES]
         names = args.budget_models or args.models
-        bar = common.progress(len(names) * len(searches) * 8, desc="largest batch", disable=args.quiet)
+        bar = progress(len(names) * len(searches) * 8, desc="largest batch", disable=args.quiet)
 
         def search(job: Tuple[str, str, str]) -> Dict[str, Any]:
             return largest_batch(args, job[0], job[1], job[2], chunks, bar)
@@ -228,15 +233,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                     rows.append([label, f["batch"], f["batch"] / plain_batch if plain_batch else None])
                     results["models"][model].setdefault("largest_batch", {})[label] = f
             print(f"\n{model}: largest batch (multiple of {args.granularity}) within {args.budget_mb:g} MiB")
-            print(common.format_table(["configuration", "batch", "x plain"], rows), flush=True)
+            print(format_table(["configuration", "batch", "x plain"], rows), flush=True)
     if args.json:
-        common.save_json(args.json, results)
+        save_json(args.json, results)
         print(f"json: {args.json}")
     if args.plot:
         groups = {m: {n: v["ratio"] for n, v in r["peak"].items() if v["ratio"] is not None}
                   for m, r in results["models"].items()}
-        common.bar_plot(args.plot, groups, title=f"step memory / plain module ({args.preset}, {args.device})\n"
-                        f"{common.machine_description()}", ylabel="x plain", reference=1.0)
+        bar_plot(args.plot, groups, title=f"step memory / plain module ({args.preset}, {args.device})\n"
+                 f"{machine_description()}", ylabel="x plain", reference=1.0)
         print(f"plot: {args.plot}")
     return results
 

@@ -63,7 +63,13 @@ import torch  # noqa: E402
 import torch.distributed  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from benchmarks import common, models  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness import ROOT  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.memory import step_peak_bytes  # noqa: E402
+from benchmarks.harness.output import format_table, progress, save_json  # noqa: E402
+from benchmarks.harness.processes import child_environment, free_port  # noqa: E402
+from benchmarks.harness.steps import Step, microbatched_train_step, train_step  # noqa: E402
 
 MiB = 1024 * 1024
 
@@ -149,10 +155,18 @@ class Trainer:
         x, y = batch_of(workload)
         self.pipe: Any = None
         self.first = self.last = True
+        #: The one-process variants' steps (:data:`LOCAL`), their gradients left for the optimizer.
+        self.local: Dict[str, Step] = {}
         if layout is None:
             self.model: nn.Module = models.mlp(workload.layers, workload.width)
             self.x, self.y = x, y
-            self.chunks = chunks
+            half = len(x) // 2
+            mse = nn.functional.mse_loss
+            self.local = {
+                "plain": train_step(self.model, x, target=y, loss_fn=mse, keep_grads=True),
+                "by hand": microbatched_train_step(self.model, x, chunks, target=y, loss_fn=mse, keep_grads=True),
+                "half batch": train_step(self.model, x[:half], target=y[:half], loss_fn=mse, keep_grads=True),
+            }
         else:
             import torch.distributed as dist
 
@@ -183,14 +197,8 @@ class Trainer:
     def forward_backward(self, variant: str) -> None:
         if self.pipe is not None:
             self.pipe.step(self.x if self.first else None, self.y if self.last else None)
-        elif variant == "plain":
-            nn.functional.mse_loss(self.model(self.x), self.y).backward()
-        elif variant == "half batch":
-            half = len(self.x) // 2
-            nn.functional.mse_loss(self.model(self.x[:half]), self.y[:half]).backward()
-        elif variant == "by hand":
-            for x, y in zip(self.x.chunk(self.chunks), self.y.chunk(self.chunks)):
-                (nn.functional.mse_loss(self.model(x), y) * (len(x) / len(self.x))).backward()
+        elif variant in self.local:
+            self.local[variant]()
         else:
             raise ValueError(f"unknown variant {variant!r}")
 
@@ -212,17 +220,20 @@ class Trainer:
         holds, and the step's peak resident size above the resident size when the steps started (activations,
         gradients, gathered parameters, message buffers): None where the peak cannot be reset."""
         params = list(self.model.parameters())
-        reset = common.reset_peak_rss()
-        start = common.proc_status_bytes("VmRSS")
         grads = 0
-        for _ in range(2):
-            self.forward_backward("plain")
-            grads = _bytes([p.grad for p in params if p.grad is not None])
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+
+        def two_steps() -> None:
+            nonlocal grads
+            for _ in range(2):
+                self.forward_backward("plain")
+                grads = _bytes([p.grad for p in params if p.grad is not None])
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+
+        transient = step_peak_bytes(two_steps)
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
-        return {"transient_bytes": max(0, common.proc_status_bytes("VmHWM") - start) if reset else None,
-                "params_bytes": _bytes(params), "grads_bytes": grads, "optimizer_bytes": _bytes(state)}
+        return {"transient_bytes": transient, "params_bytes": _bytes(params), "grads_bytes": grads,
+                "optimizer_bytes": _bytes(state)}
 
     def timeline(self, steps: int) -> Optional[Dict[str, Any]]:
         """Per recorded step: its time and the reductions' exposed share (on the first rank of replica 0)."""
@@ -327,7 +338,7 @@ class Process:
     """A worker process, its answers read by a thread into a queue; killed with its process group."""
 
     def __init__(self, command: List[str], env: Dict[str, str]) -> None:
-        self.child = subprocess.Popen(command, cwd=common.ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.child = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.answers: queue.Queue[Optional[str]] = queue.Queue()
         self.errors: List[str] = []
@@ -374,11 +385,10 @@ class Group:
 
     def __init__(self, layout_key: Optional[str], workload: Workload, chunks: int, for_memory: bool = False) -> None:
         self.layout = None if layout_key is None else LAYOUTS[layout_key]
-        port = common.free_port()
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if for_memory:  # the resident set follows the live tensors (but every large tensor costs page faults)
-            env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-        env["PYTHONPATH"] = os.pathsep.join([str(common.ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        port = free_port()
+        # For memory, the resident set follows the live tensors (but every large tensor costs page faults).
+        malloc = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"} if for_memory else {}
+        env = child_environment(OMP_NUM_THREADS="1", **malloc)
         world = 1 if self.layout is None else self.layout.world
         self.processes = []
         for rank in range(world):
@@ -428,7 +438,7 @@ def run_model(name: str, workload: Workload, layouts: Sequence[str], rounds: int
         variants: List[Tuple[str, Optional[str], str]] = [(v, None, v) for v in LOCAL]
         variants += [(LAYOUTS[k].name, k, "plain") for k in layouts]
         times: Dict[str, List[float]] = {label: [] for label, _, _ in variants}
-        bar = common.progress(rounds, desc=f"mesh {name}", disable=quiet)
+        bar = progress(rounds, desc=f"mesh {name}", disable=quiet)
         for _ in range(rounds):
             for label, key, variant in variants:
                 answers = groups[key].ask({"do": "time", "variant": variant, "steps": 1}, timeout)
@@ -471,7 +481,7 @@ def print_model(name: str, result: Dict[str, Any]) -> None:
     plain_s = next(r["step_s"] for r in result["times"] if r["variant"] == "plain")
     rows = [[r["variant"], r["step_s"] * 1e3, r["samples_per_s"], r["speedup"], r["step_s"] / plain_s]
             for r in result["times"]]
-    print(common.format_table(["variant", "step ms", "samples/s", "speed-up (paired)", "time / plain"], rows))
+    print(format_table(["variant", "step ms", "samples/s", "speed-up (paired)", "time / plain"], rows))
     memory_rows = []
     plain_total: Optional[float] = None
     for label, ranks in result["memory"].items():
@@ -485,16 +495,16 @@ def print_model(name: str, result: Dict[str, Any]) -> None:
                                 None if transient is None else (transient - m["grads_bytes"]) / MiB,
                                 None if total is None else total / MiB,
                                 total / plain_total if total is not None and plain_total else None])
-    print(common.format_table(["memory per rank (MiB)", "params", "optimizer", "grads", "step peak",
-                               "step peak - grads", "total", "total / plain"], memory_rows))
+    print(format_table(["memory per rank (MiB)", "params", "optimizer", "grads", "step peak",
+                        "step peak - grads", "total", "total / plain"], memory_rows))
     reduction_rows = []
     for label, figures in result["reduction"].items():
         if figures is None:
             continue
         reduction_rows.append([label, figures["step_s"] * 1e3, figures["reduce_s"] / figures["step_s"],
                                figures["exposed_s"] / figures["step_s"], figures["compute_s"] / figures["step_s"]])
-    print(common.format_table(["reduction (pipe.step only)", "step ms", "reduce spans / step",
-                               "exposed reduce / step", "busy / step (per rank)"], reduction_rows))
+    print(format_table(["reduction (pipe.step only)", "step ms", "reduce spans / step",
+                        "exposed reduce / step", "busy / step (per rank)"], reduction_rows))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -521,7 +531,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.quick:
         args.rounds, args.timeline_steps = 1, 1
     table = QUICK if args.quick else MODELS
-    print(f"machine: {common.machine_description()}; every process 1 intra-op thread, gloo on 127.0.0.1, Adam; "
+    print(f"machine: {machine_description()}; every process 1 intra-op thread, gloo on 127.0.0.1, Adam; "
           f"load average {_load()}")
     results: Dict[str, Any] = {"rounds": args.rounds, "chunks": args.chunks, "models": {}}
     for name in args.models:
@@ -534,7 +544,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           "measured peak resident set of two steps above their start; total = params + optimizer + step peak)")
     print(f"load average at the end: {_load()} (other processes on the machine slow every figure down)")
     if args.json:
-        common.save_json(args.json, results)
+        save_json(args.json, results)
     return results
 
 

@@ -22,7 +22,9 @@ of one mini-batch. Layers are flat so that a balancer has many places to cut:
 
 Two builders take sizes instead of a preset: :func:`mlp` (Linear+ReLU pairs)
 and :func:`transformer` (encoder blocks on token ids), for the overhead,
-schedule and GPU-check benchmarks.
+schedule and GPU-check benchmarks. :class:`Logits` calls a Hugging Face
+language model as its Sequential is called (ids in, logits out), and
+:func:`even_balance` cuts a Sequential into even partitions.
 """
 import importlib
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ __all__ = [
     "transformer",
     "skip_api",
     "copy_weights",
+    "even_balance",
+    "Logits",
 ]
 
 PRESETS = ("small", "paper")
@@ -80,6 +84,12 @@ def _check_preset(preset: str) -> None:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
+def even_balance(layers: int, partitions: int) -> List[int]:
+    """``layers`` split into ``partitions`` contiguous parts differing by at most one layer (the first ones
+    longer)."""
+    return [layers // partitions + (1 if j < layers % partitions else 0) for j in range(partitions)]
+
+
 def mlp(layers: int = 32, width: int = 512) -> nn.Sequential:
     """``layers`` Linear+ReLU pairs of ``width`` features (seed 0): the overhead and schedule benchmarks' MLP."""
     torch.manual_seed(0)
@@ -100,6 +110,18 @@ def transformer(layers: int = 4, width: int = 256, heads: int = 4, vocab: int = 
     blocks = [nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
               for _ in range(layers)]
     return nn.Sequential(nn.Embedding(vocab, width), *blocks, nn.LayerNorm(width), nn.Linear(width, vocab))
+
+
+class Logits(nn.Module):
+    """A Hugging Face causal language model called as its Sequential is (``as_sequential(..., output="logits")``):
+    token ids in, logits out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
 
 
 def conv_bn_relu(cin: int, cout: int, kernel: int = 3, stride: int = 1) -> nn.Sequential:

@@ -29,7 +29,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import torchpipe  # noqa: E402
-from benchmarks import common, models  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness.machine import machine_description, torchgpipe_module  # noqa: E402
+from benchmarks.harness.output import save_json  # noqa: E402
+from benchmarks.harness.steps import Step, microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
+from benchmarks.harness.timing import Variant, compare, two_thread_ratio  # noqa: E402
 
 CONFIGS: List[Tuple[str, List[int], int, str]] = [
     ("1 partition, chunks=1, never", [32 * 2], 1, "never"),
@@ -41,21 +45,14 @@ CONFIGS: List[Tuple[str, List[int], int, str]] = [
 GOALS = {0: 1.02, 1: 1.03, 2: 0.62, 3: 0.80}
 
 
-def train_step(model: nn.Module, x: torch.Tensor) -> common.Step:
+def sum_step(model: nn.Module, x: torch.Tensor) -> Step:
     """Forward, ``sum().backward()``, drop the grads (the issue's step)."""
-
-    def step() -> None:
-        model(x).sum().backward()
-        for p in model.parameters():
-            p.grad = None
-
-    return step
+    return train_step(model, x, loss_fn=torch.sum)
 
 
-def ratio(plain: common.Step, other: common.Step, rounds: int, warmup: int = 2) -> Tuple[float, float]:
-    """(median of the interleaved pairs' ratios, median plain step time) via :func:`common.compare`."""
-    [result] = common.compare(common.Variant("plain", plain), [common.Variant("other", other)], rounds=rounds,
-                              warmup=warmup, quiet=True)
+def ratio(plain: Step, other: Step, rounds: int, warmup: int = 2) -> Tuple[float, float]:
+    """(median of the interleaved pairs' ratios, median plain step time) via :func:`compare`."""
+    [result] = compare(Variant("plain", plain), [Variant("other", other)], rounds=rounds, warmup=warmup, quiet=True)
     return result.ratio, result.plain_seconds
 
 
@@ -64,9 +61,8 @@ def build(kind: str, balance: List[int], chunks: int, checkpoint: str) -> Option
     devices = ["cpu"] * len(balance)
     if kind == "torchpipe":
         return torchpipe.GPipe(model, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
-    try:
-        import torchgpipe
-    except ImportError:
+    torchgpipe = torchgpipe_module()
+    if torchgpipe is None:
         return None
     return torchgpipe.GPipe(model, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
 
@@ -77,9 +73,9 @@ def fixed_cost_per_task(rounds: int) -> float:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     x = torch.randn(32, 4)
     piped = torchpipe.GPipe(model, [1, 1], devices=["cpu", "cpu"], chunks=32, checkpoint="never")
-    by_hand = common.microbatched_train_step(model, x, 32)
-    _, hand_s = ratio(by_hand, common.microbatched_train_step(model, x, 32), rounds)
-    relative, _ = ratio(by_hand, train_step(piped, x), rounds)
+    by_hand = microbatched_train_step(model, x, 32)
+    _, hand_s = ratio(by_hand, microbatched_train_step(model, x, 32), rounds)
+    relative, _ = ratio(by_hand, sum_step(piped, x), rounds)
     tasks = 2 * 32 * 2
     return (relative - 1.0) * hand_s / tasks * 1e6
 
@@ -93,8 +89,8 @@ def main() -> None:
     torch.set_num_threads(1)
     x = torch.randn(args.batch, 512)
     reference = models.mlp()
-    plain = train_step(reference, x)
-    print(f"machine: {common.machine_description()}; {torch.get_num_threads()} intra-op thread per partition")
+    plain = sum_step(reference, x)
+    print(f"machine: {machine_description()}; {torch.get_num_threads()} intra-op thread per partition")
     results: Dict[str, Dict[str, float]] = {}
     header = (f"{'configuration':38s} {'/plain':>7s} {'/by hand':>9s} {'ideal':>6s} {'goal':>6s} "
               f"{'torchgpipe /by hand':>20s}")
@@ -104,14 +100,14 @@ def main() -> None:
         row: Dict[str, float] = {}
         ours = build("torchpipe", balance, chunks, checkpoint)
         assert ours is not None
-        hand = common.microbatched_train_step(reference, x, chunks)
-        row["plain"], row["plain_s"] = ratio(plain, train_step(ours, x), args.rounds)
-        row["hand"], row["hand_s"] = ratio(hand, train_step(ours, x), args.rounds) if chunks > 1 else \
+        hand = microbatched_train_step(reference, x, chunks)
+        row["plain"], row["plain_s"] = ratio(plain, sum_step(ours, x), args.rounds)
+        row["hand"], row["hand_s"] = ratio(hand, sum_step(ours, x), args.rounds) if chunks > 1 else \
             (row["plain"], row["plain_s"])
-        row["ideal"] = common.pipeline_ideal(len(balance), chunks)
+        row["ideal"] = pipeline_ideal(len(balance), chunks)
         theirs = build("torchgpipe", balance, chunks, checkpoint)
         if theirs is not None:
-            row["torchgpipe"], _ = ratio(hand, train_step(theirs, x), args.rounds)
+            row["torchgpipe"], _ = ratio(hand, sum_step(theirs, x), args.rounds)
         results[name] = row
         tg = f"{row['torchgpipe']:20.3f}" if "torchgpipe" in row else f"{'n/a':>20s}"
         print(f"{name:38s} {row['plain']:7.3f} {row['hand']:9.3f} {row['ideal']:6.3f} {GOALS[index]:6.2f} {tg}",
@@ -122,9 +118,9 @@ def main() -> None:
           f" / (m p) of by hand; the plain step takes {results[CONFIGS[0][0]]['plain_s'] * 1e3:.0f} ms, 8"
           f" micro-batches by hand {by_hand_8:.2f}x that)")
     # What the two cores allow now: the two halves of the 8 micro-batches on two bare threads at once.
-    halves = [common.microbatched_train_step(copy.deepcopy(reference), half, 4) for half in x.chunk(2)]
-    two_threads = common.two_thread_ratio(halves[0], halves[1], rounds=args.rounds)
-    ideal = common.pipeline_ideal(2, 8)
+    halves = [microbatched_train_step(copy.deepcopy(reference), half, 4) for half in x.chunk(2)]
+    two_threads = two_thread_ratio(halves[0], halves[1], rounds=args.rounds)
+    ideal = pipeline_ideal(2, 8)
     print(f"two bare threads, each with half of the 8 micro-batches: {two_threads:.3f} of the time on one thread "
           f"(two free cores: 0.500); so a 2-partition pipeline's best here now is {two_threads:.3f} x 2 x "
           f"{ideal:.4f} = {two_threads * 2 * ideal:.3f} of the micro-batches by hand")
@@ -132,8 +128,8 @@ def main() -> None:
     print(f"fixed cost per task (2 partitions x 32 micro-batches of a model whose layers cost nothing): "
           f"{per_task:.0f} us")
     if args.json:
-        common.save_json(args.json, {"ratios": results, "goals": {CONFIGS[i][0]: g for i, g in GOALS.items()},
-                                     "two_threads": two_threads, "fixed_cost_per_task_us": per_task})
+        save_json(args.json, {"ratios": results, "goals": {CONFIGS[i][0]: g for i, g in GOALS.items()},
+                              "two_threads": two_threads, "fixed_cost_per_task_us": per_task})
 
 
 if __name__ == "__main__":

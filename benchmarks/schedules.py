@@ -40,7 +40,19 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import torchpipe  # noqa: E402
-from benchmarks import common, models  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.memory import cpu_peak_rss_bytes, reset_peak_rss  # noqa: E402
+from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.processes import run_in_child  # noqa: E402
+from benchmarks.harness.steps import (  # noqa: E402
+    Step,
+    microbatched_train_step,
+    pipeline_ideal,
+    pipeline_step,
+    train_step,
+)
+from benchmarks.harness.timing import Variant, at_once, median_ratio, round_robin  # noqa: E402
 from torchpipe import trace  # noqa: E402
 from torchpipe.runtime.tune import TUNING_STEPS  # noqa: E402
 from torchpipe.schedule import Kind, simulate  # noqa: E402
@@ -72,54 +84,35 @@ def workload(name: str) -> Tuple[nn.Sequential, Tensor, Tensor]:
     raise ValueError(f"unknown model {name!r}")
 
 
-def even(layers: int, stages: int) -> List[int]:
-    return [layers // stages + (1 if j < layers % stages else 0) for j in range(stages)]
-
-
 def pipeline(name: str, schedule: str, stages: int, chunks: int) -> Tuple[torchpipe.Pipeline, Tensor, Tensor]:
     module, x, y = workload(name)
     devices = ["cpu"] * 2
-    pipe = torchpipe.Pipeline(module, even(len(module), stages), chunks=chunks, schedule=schedule,
+    pipe = torchpipe.Pipeline(module, models.even_balance(len(module), stages), chunks=chunks, schedule=schedule,
                               loss_fn=nn.functional.mse_loss, devices=devices)
     return pipe, x, y
 
 
-def plain_step(name: str) -> common.Step:
+def plain_step(name: str) -> Step:
     module, x, y = workload(name)
-
-    def step() -> None:
-        nn.functional.mse_loss(module(x), y).backward()
-        for p in module.parameters():
-            p.grad = None
-
-    return step
+    return train_step(module, x, target=y, loss_fn=nn.functional.mse_loss)
 
 
-def by_hand_step(name: str, chunks: int) -> common.Step:
+def by_hand_step(name: str, chunks: int) -> Step:
     """The plain module run micro-batch by micro-batch on one thread: what micro-batching alone costs here."""
     module, x, y = workload(name)
-    return common.microbatched_train_step(module, x, chunks, target=y, loss_fn=nn.functional.mse_loss)
+    return microbatched_train_step(module, x, chunks, target=y, loss_fn=nn.functional.mse_loss)
 
 
-def two_threads_step(name: str, chunks: int) -> common.Step:
+def two_threads_step(name: str, chunks: int) -> Step:
     """The by-hand step's micro-batches split in two halves, run on two bare threads at once (each on its own
     copy of the module): over the by-hand step, what this machine's two cores give two threads now (see
-    :func:`common.two_thread_ratio`)."""
+    :func:`benchmarks.harness.timing.two_thread_ratio`)."""
     module, x, y = workload(name)
     first, second = [
-        common.microbatched_train_step(copy, x_half, chunks // 2, target=y_half, loss_fn=nn.functional.mse_loss)
+        microbatched_train_step(copy, x_half, chunks // 2, target=y_half, loss_fn=nn.functional.mse_loss)
         for copy, x_half, y_half in zip((module, workload(name)[0]), x.chunk(2), y.chunk(2))
     ]
-    return common.at_once(first, second)
-
-
-def pipe_step(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> common.Step:
-    def step() -> None:
-        pipe.step(x, y)
-        for p in pipe.parameters():
-            p.grad = None
-
-    return step
+    return at_once(first, second)
 
 
 def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[float, float]:
@@ -145,8 +138,8 @@ def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[fl
 
 def step_memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> int:
     """The peak step memory of one configuration, measured in a child process (see :func:`memory`)."""
-    result = common.run_in_child("benchmarks.schedules:memory",
-                                 {"model": model, "schedule": schedule, "stages": stages, "chunks": chunks})
+    result = run_in_child("benchmarks.schedules:memory",
+                          {"model": model, "schedule": schedule, "stages": stages, "chunks": chunks})
     return int(result["step_bytes"])
 
 
@@ -182,11 +175,11 @@ def memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> Dic
     if schedule == "zero_bubble":
         for _ in range(TUNING_STEPS):
             run(slice(None))
-        common.reset_peak_rss()
-    base = common.cpu_peak_rss_bytes()
+        reset_peak_rss()
+    base = cpu_peak_rss_bytes()
     for _ in range(2):
         run(slice(None))
-    return {"step_bytes": max(0, common.cpu_peak_rss_bytes() - base)}
+    return {"step_bytes": max(0, cpu_peak_rss_bytes() - base)}
 
 
 def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
@@ -197,19 +190,19 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
         pipe, x, y = pipes[name] = pipeline(model, schedule, stages, chunks)
         if schedule == "zero_bubble":  # its placement first: measured, then tried against 1F1B on its own steps
             for _ in range(TUNING_STEPS):
-                pipe_step(pipe, x, y)()
+                pipeline_step(pipe, x, y)()
     # Every step once a round (plain, by hand, each schedule): each ratio is over steps run seconds apart.
-    variants = [common.Variant("plain", plain_step(model)), common.Variant("by hand", by_hand_step(model, chunks)),
-                common.Variant("two threads", two_threads_step(model, chunks))]
-    variants += [common.Variant(name, pipe_step(*pipes[name])) for name, _, _ in CONFIGS]
-    times = common.round_robin(variants, rounds=rounds, warmup=1, desc=f"{model} round robin")
+    variants = [Variant("plain", plain_step(model)), Variant("by hand", by_hand_step(model, chunks)),
+                Variant("two threads", two_threads_step(model, chunks))]
+    variants += [Variant(name, pipeline_step(*pipes[name])) for name, _, _ in CONFIGS]
+    times = round_robin(variants, rounds=rounds, warmup=1, desc=f"{model} round robin")
     plain_ms = statistics.median(times["plain"]) * 1e3
-    two_threads = common.median_ratio(times, "two threads", "by hand")
+    two_threads = median_ratio(times, "two threads", "by hand")
     rows: List[Dict[str, Any]] = [{
         "model": model, "schedule": f"plain, {chunks} micro-batches by hand",
-        "time_ratio": common.median_ratio(times, "by hand", "plain"), "plain_ms": plain_ms, "memory_ratio": None,
+        "time_ratio": median_ratio(times, "by hand", "plain"), "plain_ms": plain_ms, "memory_ratio": None,
         "simulated_bubble": None, "measured_idle": None, "two_threads": two_threads,
-        "machine_line": two_threads * 2 * common.pipeline_ideal(2, chunks),
+        "machine_line": two_threads * 2 * pipeline_ideal(2, chunks),
     }]
     for name, schedule, stages in CONFIGS:
         pipe, x, y = pipes.pop(name)
@@ -218,9 +211,9 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
         del pipe
         rows.append({
             "model": model, "schedule": name, "split_stages": split,
-            "time_ratio": common.median_ratio(times, name, "plain"), "plain_ms": plain_ms,
-            "vs_by_hand": common.median_ratio(times, name, "by hand"),
-            "vs_1f1b": common.median_ratio(times, name, "1f1b"), "ideal": common.pipeline_ideal(2, chunks),
+            "time_ratio": median_ratio(times, name, "plain"), "plain_ms": plain_ms,
+            "vs_by_hand": median_ratio(times, name, "by hand"),
+            "vs_1f1b": median_ratio(times, name, "1f1b"), "ideal": pipeline_ideal(2, chunks),
             "memory_ratio": step_memory(model, schedule, stages, chunks) / max(plain_memory, 1),
             "simulated_bubble": simulated, "measured_idle": idle,
         })
@@ -236,28 +229,28 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    print(f"machine: {common.machine_description()}; workers and plain with 1 intra-op thread each")
+    print(f"machine: {machine_description()}; workers and plain with 1 intra-op thread each")
     headers = ["model / schedule", "step time / plain", "/ by hand", "/ 1f1b", "ideal", "peak memory / plain",
                "simulated bubble", "measured idle"]
     rows: List[Dict[str, Any]] = []
     for model in args.models:
         rows += run(model, args.rounds, args.chunks)
     print()
-    print(common.format_table(headers, [[f"{r['model']} {r['schedule']}", r["time_ratio"], r.get("vs_by_hand"),
-                                         r.get("vs_1f1b"), r.get("ideal"), r["memory_ratio"], r["simulated_bubble"],
-                                         r["measured_idle"]] for r in rows]))
+    print(format_table(headers, [[f"{r['model']} {r['schedule']}", r["time_ratio"], r.get("vs_by_hand"),
+                                  r.get("vs_1f1b"), r.get("ideal"), r["memory_ratio"], r["simulated_bubble"],
+                                  r["measured_idle"]] for r in rows]))
     for r in rows:
         if "machine_line" in r:
             print(f"{r['model']}: the by-hand micro-batches in two halves on two bare threads at once take "
                   f"{r['two_threads']:.3f} of the by-hand time (two free cores: 0.500); at that pace a 2-stage "
-                  f"pipeline would take {r['two_threads']:.3f} x 2 x {common.pipeline_ideal(2, args.chunks):.4f} = "
+                  f"pipeline would take {r['two_threads']:.3f} x 2 x {pipeline_ideal(2, args.chunks):.4f} = "
                   f"{r['machine_line']:.3f} of it (its stages each touch half the weights: it may do better)")
     mlp_rows = {r["schedule"]: r for r in rows if r["model"] == "mlp" and r["memory_ratio"] is not None}
     if mlp_rows:
         worst = max(r["vs_by_hand"] for r in mlp_rows.values())
         memory_vs_gpipe = mlp_rows["1f1b"]["memory_ratio"] / mlp_rows["gpipe"]["memory_ratio"]
         print(f"\nMLP goals: every schedule <= {TIME_GOAL} of the same micro-batches by hand (worst {worst:.3f}, "
-              f"ideal {common.pipeline_ideal(2, args.chunks):.4f}); zero_bubble <= 1 of 1f1b "
+              f"ideal {pipeline_ideal(2, args.chunks):.4f}); zero_bubble <= 1 of 1f1b "
               f"({mlp_rows['zero_bubble']['vs_1f1b']:.3f}); "
               f"1f1b peak memory <= {MEMORY_GOAL} of gpipe's ({memory_vs_gpipe:.3f})")
         split = mlp_rows["zero_bubble"]["split_stages"]
@@ -268,7 +261,7 @@ def main() -> None:
           f"/ by hand: over the same micro-batches run by hand through the plain module; ideal: (m + p - 1) / (m p) "
           f"of that; plain step medians: {', '.join(medians)})")
     if args.json:
-        common.save_json(args.json, {"rows": rows, "goals": {"time": TIME_GOAL, "memory_vs_gpipe": MEMORY_GOAL}})
+        save_json(args.json, {"rows": rows, "goals": {"time": TIME_GOAL, "memory_vs_gpipe": MEMORY_GOAL}})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 For each model, prints the plain module's samples/s and, for each
 ``partitions x chunks`` configuration, GPipe's samples/s and its throughput as
 a ratio to the plain module's, measured in the same run with plain and
-pipelined steps interleaved in pairs (see :mod:`benchmarks.common`); when
+pipelined steps interleaved in pairs (see :mod:`benchmarks.harness.timing`); when
 ``torchgpipe`` is importable its figures are printed beside ours.
 
 ``resnet50-traced`` is a ResNet-50 that is not a Sequential (torchvision's when
@@ -39,7 +39,18 @@ from torch import nn  # noqa: E402
 
 import torchpipe  # noqa: E402
 import torchpipe.trace  # noqa: E402
-from benchmarks import common, models  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness.machine import (  # noqa: E402
+    cores,
+    default_device,
+    intra_op_threads,
+    machine_description,
+    torchgpipe_module,
+)
+from benchmarks.harness.output import bar_plot, format_table, save_json  # noqa: E402
+from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
+from benchmarks.harness.timing import Variant, compare  # noqa: E402
+from benchmarks.models import even_balance  # noqa: E402
 
 DEFAULT_CONFIGS = {"small": ["1x1", "2x4", "2x8", "4x8"], "paper": ["1x1", "2x8", "4x16", "8x32"]}
 
@@ -57,11 +68,6 @@ def parse_config(text: str) -> Tuple[int, int]:
     if partitions < 1 or chunks < 1:
         raise argparse.ArgumentTypeError(f"partitions and chunks must be positive; got {text!r}")
     return partitions, chunks
-
-
-def even_balance(layers: int, partitions: int) -> List[int]:
-    """``layers`` split into ``partitions`` contiguous parts differing by at most one layer."""
-    return [layers // partitions + (1 if j < layers % partitions else 0) for j in range(partitions)]
 
 
 def find_balance(module: nn.Sequential, sample: torch.Tensor, partitions: int, how: str,
@@ -171,15 +177,15 @@ def same_cut(traced: nn.Sequential, hand_names: Sequence[str], hand_balance: Seq
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
-    device = common.default_device(args.device)
-    threads = common.cores() if device.type == "cpu" else torch.get_num_threads()
+    device = default_device(args.device)
+    threads = cores() if device.type == "cpu" else torch.get_num_threads()
     torch.set_num_threads(threads)
     # torchgpipe runs its backward on the caller's thread and starts fresh worker threads every step;
     # on CPU it was fastest here with 1 caller thread (its workers keep the OpenMP default).
     tg_threads = args.tg_threads if args.tg_threads is not None else (1 if device.type == "cpu" else None)
     configs = [parse_config(c) for c in (args.configs or DEFAULT_CONFIGS[args.preset])]
-    tg = None if args.no_torchgpipe else common.torchgpipe_module()
-    print(f"machine: {common.machine_description(device)}")
+    tg = None if args.no_torchgpipe else torchgpipe_module()
+    print(f"machine: {machine_description(device)}")
     if device.type == "cpu":
         print(f"CPU: plain module with {threads} intra-op threads; torchpipe partition workers with "
               f"max(1, {threads} // partitions) threads each (the caller waits with 1); torchgpipe's caller "
@@ -194,7 +200,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"note: {note}")
         sample = workload.sample(device=device)
         plain = plain_module.to(device)
-        plain_step = common.Variant("plain", common.train_step(plain, sample), threads)
+        plain_step = Variant("plain", train_step(plain, sample), threads)
         sequential = workload.module
         assert isinstance(sequential, nn.Sequential)
         hand = entry.hand.to(device) if entry.hand is not None else None
@@ -214,46 +220,46 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                                              args.balance_timeout)
             balance = balances[partitions]
             variants = []
-            with common.intra_op_threads(threads):  # workers take their share of the caller's threads
+            with intra_op_threads(threads):  # workers take their share of the caller's threads
                 ours = torchpipe.GPipe(copy.deepcopy(sequential), balance, devices=devices, chunks=chunks,
                                        checkpoint=args.checkpoint)
-                ours_step = common.train_step(ours, sample)
+                ours_step = train_step(ours, sample)
                 ours_step()  # starts the workers under `threads`
-            variants.append(common.Variant("torchpipe", ours_step, 1 if device.type == "cpu" else None))
+            variants.append(Variant("torchpipe", ours_step, 1 if device.type == "cpu" else None))
             # The micro-batched ideal's yardstick: the same micro-batches through the plain module, by hand.
-            variants.append(common.Variant("by hand", common.microbatched_train_step(plain, sample, chunks), threads))
-            pair: List[common.Variant] = []
+            variants.append(Variant("by hand", microbatched_train_step(plain, sample, chunks), threads))
+            pair: List[Variant] = []
             if hand is not None:
-                with common.intra_op_threads(threads):
+                with intra_op_threads(threads):
                     by_hand = torchpipe.GPipe(copy.deepcopy(hand), hand_balances[partitions], devices=devices,
                                               chunks=chunks, checkpoint=args.checkpoint)
-                    hand_step = common.train_step(by_hand, sample)
+                    hand_step = train_step(by_hand, sample)
                     hand_step()
                     # The traced model cut at the same blocks as the hand-written one: only the layers differ.
                     assert entry.hand_names is not None
                     cut = same_cut(sequential, entry.hand_names, hand_balances[partitions])
                     twin = torchpipe.GPipe(copy.deepcopy(sequential), cut, devices=devices, chunks=chunks,
                                            checkpoint=args.checkpoint)
-                    twin_step = common.train_step(twin, sample)
+                    twin_step = train_step(twin, sample)
                     twin_step()
                 cpu_threads = 1 if device.type == "cpu" else None
-                variants.append(common.Variant("hand-written", hand_step, cpu_threads))
-                pair = [common.Variant("hand-written", hand_step, cpu_threads),
-                        common.Variant("traced, same cut", twin_step, cpu_threads)]
+                variants.append(Variant("hand-written", hand_step, cpu_threads))
+                pair = [Variant("hand-written", hand_step, cpu_threads),
+                        Variant("traced, same cut", twin_step, cpu_threads)]
             if tg is not None and theirs_module is not None:
                 theirs = tg.GPipe(copy.deepcopy(theirs_module), balance, devices=devices, chunks=chunks,
                                   checkpoint=args.checkpoint)
-                variants.append(common.Variant("torchgpipe", common.train_step(theirs, sample), tg_threads))
-            compared = common.compare(plain_step, variants, rounds=args.rounds, warmup=args.warmup, device=device,
-                                      desc=f"{workload.name} {partitions}x{chunks}", quiet=args.quiet)
+                variants.append(Variant("torchgpipe", train_step(theirs, sample), tg_threads))
+            compared = compare(plain_step, variants, rounds=args.rounds, warmup=args.warmup, device=device,
+                               desc=f"{workload.name} {partitions}x{chunks}", quiet=args.quiet)
             row: Dict[str, Any] = {"partitions": partitions, "chunks": chunks, "balance": balance}
             for c in compared:
                 row[c.name] = {"samples_per_s": workload.batch / c.seconds, "plain_samples_per_s":
                                workload.batch / c.plain_seconds, "throughput_ratio": 1.0 / c.ratio,
                                "time_ratio": c.ratio, "seconds": c.seconds, "plain_seconds": c.plain_seconds}
             if pair:
-                (versus,) = common.compare(pair[0], pair[1:], rounds=args.rounds, warmup=args.warmup, device=device,
-                                           desc=f"{workload.name} {partitions}x{chunks} traced/hand", quiet=args.quiet)
+                (versus,) = compare(pair[0], pair[1:], rounds=args.rounds, warmup=args.warmup, device=device,
+                                    desc=f"{workload.name} {partitions}x{chunks} traced/hand", quiet=args.quiet)
                 row["hand-written"]["balance"] = hand_balances[partitions]
                 row["traced_vs_hand"] = {"time_ratio": versus.ratio, "cut": cut, "seconds": versus.seconds,
                                          "hand_seconds": versus.plain_seconds, "ratios": versus.ratios}
@@ -272,8 +278,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def save_timeline(model: nn.Module, sample: torch.Tensor, folder: Path, name: str) -> str:
     """Records one training step's pipeline timeline; saves it as PNG and Chrome trace; returns the PNG path."""
-    with common.intra_op_threads(1), torchpipe.trace.record_timeline() as timeline:
-        common.train_step(model, sample)()
+    with intra_op_threads(1), torchpipe.trace.record_timeline() as timeline:
+        train_step(model, sample)()
     png = folder / f"{name}.png"
     timeline.save_png(png, title=f"{name}: one training step (number: micro-batch)")
     timeline.save_chrome_trace(folder / f"{name}.json")
@@ -294,7 +300,7 @@ def print_model(workload: models.Workload, rows: Sequence[Dict[str, Any]]) -> No
         ours, theirs, hand_made = r["torchpipe"], r.get("torchgpipe"), r["by hand"]
         line = [f"{r['partitions']}x{r['chunks']}", ",".join(map(str, r["balance"])), ours["samples_per_s"],
                 ours["throughput_ratio"], hand_made["throughput_ratio"], ours["time_ratio"] / hand_made["time_ratio"],
-                common.pipeline_ideal(r["partitions"], r["chunks"])]
+                pipeline_ideal(r["partitions"], r["chunks"])]
         if traced:
             hand, versus = r["hand-written"], r["traced_vs_hand"]
             line += [hand["samples_per_s"], hand["throughput_ratio"], versus["time_ratio"]]
@@ -302,16 +308,16 @@ def print_model(workload: models.Workload, rows: Sequence[Dict[str, Any]]) -> No
             line += [theirs["samples_per_s"] if theirs else None, theirs["throughput_ratio"] if theirs else None]
         table.append(line)
     if traced:
-        print(common.format_table(["partitions x chunks", "balance", "traced/s", "x plain", "micro-batched x plain",
-                                   "time / micro-batched", "ideal", "hand-written/s", "x plain", "traced/hand time"],
-                                  table))
+        print(format_table(["partitions x chunks", "balance", "traced/s", "x plain", "micro-batched x plain",
+                            "time / micro-batched", "ideal", "hand-written/s", "x plain", "traced/hand time"],
+                           table))
         print("(x plain: throughput / the plain module's, median of interleaved pairs; > 1 is faster. traced/hand "
               "time: step time of GPipe over the traced model cut at the same blocks as the hand-written one, over "
               "the hand-written one's, median of interleaved pairs; < 1.05 is the goal. micro-batched: the same "
               "micro-batches through the plain module by hand; ideal: (m + p - 1) / (m p))", flush=True)
         return
-    print(common.format_table(["partitions x chunks", "balance", "torchpipe/s", "x plain", "micro-batched x plain",
-                               "time / micro-batched", "ideal", "torchgpipe/s", "x plain"], table))
+    print(format_table(["partitions x chunks", "balance", "torchpipe/s", "x plain", "micro-batched x plain",
+                        "time / micro-batched", "ideal", "torchgpipe/s", "x plain"], table))
     print("(x plain: throughput / the plain module's, median of interleaved pairs; > 1 is faster. micro-batched: "
           "the same micro-batches through the plain module by hand, one after another, with the plain module's "
           "threads; time / micro-batched: the pipeline's step time over theirs; ideal: (m + p - 1) / (m p), the "
@@ -327,8 +333,8 @@ def plot(results: Dict[str, Any], path: str) -> None:
                 if lib in r:
                     bars[f"{lib} {r['partitions']}x{r['chunks']}"] = r[lib]["throughput_ratio"]
         groups[name] = bars
-    common.bar_plot(path, groups, title=f"throughput / plain module ({results['preset']} preset, "
-                    f"{results['device']})\n{common.machine_description()}", ylabel="x plain", reference=1.0)
+    bar_plot(path, groups, title=f"throughput / plain module ({results['preset']} preset, "
+             f"{results['device']})\n{machine_description()}", ylabel="x plain", reference=1.0)
     print(f"plot: {path}")
 
 
@@ -358,7 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parser.parse_args(argv)
     results = run(args)
     if args.json:
-        common.save_json(args.json, results)
+        save_json(args.json, results)
         print(f"json: {args.json}")
     if args.plot:
         plot(results, args.plot)

@@ -24,8 +24,12 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import torchpipe  # noqa: E402
-from benchmarks import common, models  # noqa: E402
-from benchmarks.speed import even_balance, find_balance, parse_config  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness.machine import cores, intra_op_threads, machine_description, torchgpipe_module  # noqa: E402
+from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
+from benchmarks.harness.timing import Variant, compare  # noqa: E402
+from benchmarks.speed import find_balance, parse_config  # noqa: E402
 
 
 def build_variants(preset: str) -> Dict[str, nn.Module]:
@@ -57,18 +61,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parser.parse_args(argv)
 
     device = torch.device("cpu")
-    threads = common.cores()
+    threads = cores()
     torch.set_num_threads(threads)
     built = build_variants(args.preset)
     shape = models.unet(args.preset, "plain").input_shape
     sample = torch.randn(shape)
-    tg = common.torchgpipe_module()
-    print(f"machine: {common.machine_description(device)}")
+    tg = torchgpipe_module()
+    print(f"machine: {machine_description(device)}")
     depth = len(list(built["tuple"].children()))
     print(f"U-Net {args.preset} (batch {shape[0]}, {depth} layers), checkpoint={args.checkpoint!r}, "
           f"plain module with {threads} threads, each partition's worker max(1, {threads} // partitions); "
           f"variants: {', '.join(k for k in built if k != 'plain')}")
-    plain = common.Variant("plain", common.train_step(built["plain"], sample), threads)
+    plain = Variant("plain", train_step(built["plain"], sample), threads)
     rows: List[List[Any]] = []
     results: Dict[str, Any] = {"preset": args.preset, "checkpoint": args.checkpoint, "configs": []}
     for text in args.configs:
@@ -76,43 +80,42 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         tuple_seq = built["tuple"]
         assert isinstance(tuple_seq, nn.Sequential)
         balance = (find_balance(tuple_seq, sample, partitions, "time", device, 0.5) if args.balance == "time"
-                   else even_balance(len(tuple_seq), partitions))
-        variants: List[common.Variant] = []
+                   else models.even_balance(len(tuple_seq), partitions))
+        variants: List[Variant] = []
         for key in ("tuple", "skip"):
             if key not in built:
                 continue
-            with common.intra_op_threads(threads):
+            with intra_op_threads(threads):
                 layers = copy.deepcopy(built[key])
                 assert isinstance(layers, nn.Sequential)
                 pipe = torchpipe.GPipe(layers, balance, devices=["cpu"] * partitions,
                                        chunks=chunks, checkpoint=args.checkpoint)
-                step = common.train_step(pipe, sample)
+                step = train_step(pipe, sample)
                 step()
-            variants.append(common.Variant(f"torchpipe {key}", step, 1))
-        variants.append(common.Variant("by hand", common.microbatched_train_step(built["plain"], sample, chunks),
-                                       threads))
+            variants.append(Variant(f"torchpipe {key}", step, 1))
+        variants.append(Variant("by hand", microbatched_train_step(built["plain"], sample, chunks), threads))
         if tg is not None and "skip-torchgpipe" in built:
             theirs = tg.GPipe(copy.deepcopy(built["skip-torchgpipe"]), balance, devices=["cpu"] * partitions,
                               chunks=chunks, checkpoint=args.checkpoint)
-            variants.append(common.Variant("torchgpipe skip", common.train_step(theirs, sample), 1))
-        compared = {c.name: c for c in common.compare(plain, variants, rounds=args.rounds, warmup=args.warmup,
-                                                        desc=f"unet {text}", quiet=args.quiet)}
+            variants.append(Variant("torchgpipe skip", train_step(theirs, sample), 1))
+        compared = {c.name: c for c in compare(plain, variants, rounds=args.rounds, warmup=args.warmup,
+                                                 desc=f"unet {text}", quiet=args.quiet)}
         ratios = [compared[n].ratio if n in compared else None
                   for n in ("torchpipe tuple", "torchpipe skip", "torchgpipe skip")]
         hand = compared["by hand"].ratio
         skip_vs_hand = compared["torchpipe skip"].ratio / hand if "torchpipe skip" in compared else None
         rows.append([text, ",".join(map(str, balance)), hand, *ratios, skip_vs_hand,
-                     common.pipeline_ideal(partitions, chunks)])
+                     pipeline_ideal(partitions, chunks)])
         results["configs"].append({"partitions": partitions, "chunks": chunks, "balance": balance,
                                    **{name: c.as_dict() for name, c in compared.items()}})
-    print(common.format_table(["partitions x chunks", "balance", "micro-batched / plain", "tuple / plain",
-                               "stash/pop / plain", "torchgpipe stash/pop / plain", "stash/pop / micro-batched",
-                               "ideal"], rows))
+    print(format_table(["partitions x chunks", "balance", "micro-batched / plain", "tuple / plain",
+                        "stash/pop / plain", "torchgpipe stash/pop / plain", "stash/pop / micro-batched",
+                        "ideal"], rows))
     print("(step time / the plain module's step time, median of interleaved pairs; < 1 is faster. micro-batched: "
           "the same micro-batches through the plain module by hand, one after another; ideal: (m + p - 1) / (m p) "
           "of that, for p partitions on p cores)", flush=True)
     if args.json:
-        common.save_json(args.json, results)
+        save_json(args.json, results)
         print(f"json: {args.json}")
     return results
 

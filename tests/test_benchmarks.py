@@ -17,10 +17,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import common, models  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.harness.cpu import THREAD_KINDS, thread_cpu  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.output import format_table  # noqa: E402
+from benchmarks.harness.steps import drop_grads, microbatched_train_step, pipeline_step, train_step  # noqa: E402
+from benchmarks.harness.timing import Variant, compare, median_ratio, rotated, round_robin  # noqa: E402
 
-MODULES = ["common", "models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
-           "language_model", "lm_pipeline", "mesh", "gpu_check", "gpu_sections", "gpu_report"]
+HARNESS = ["harness", "harness.machine", "harness.steps", "harness.timing", "harness.memory", "harness.cpu",
+           "harness.processes", "harness.output"]
+MODULES = HARNESS + ["models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
+                     "data_parallel", "language_model", "lm_pipeline", "mesh", "gpu_check", "gpu_sections",
+                     "gpu_report"]
 
 
 def has(module: str) -> bool:
@@ -109,35 +117,60 @@ def test_unet_under_gpipe_equals_plain(variant: str) -> None:
     torch.testing.assert_close(pipe(x), plain(x))
 
 
-def test_common_compare_and_table() -> None:
+def test_harness_compare_and_table() -> None:
     calls = []
-    plain = common.Variant("plain", lambda: calls.append("p"))
-    other = common.Variant("other", lambda: calls.append("o"), threads=1)
-    [result] = common.compare(plain, [other], rounds=3, warmup=1, quiet=True)
+    plain = Variant("plain", lambda: calls.append("p"))
+    other = Variant("other", lambda: calls.append("o"), threads=1)
+    [result] = compare(plain, [other], rounds=3, warmup=1, quiet=True)
     assert calls == ["p", "o"] * 4
     assert result.name == "other" and len(result.ratios) == 3
-    table = common.format_table(["a", "b"], [["x", 1.5], ["y", None]])
+    table = format_table(["a", "b"], [["x", 1.5], ["y", None]])
     assert "1.500" in table and "n/a" in table
-    assert "torch" in common.machine_description()
+    assert "torch" in machine_description()
 
 
 def test_round_robin_runs_every_step_once_a_round_in_a_rotating_order() -> None:
     calls: List[str] = []
-    steps = [common.Variant(name, lambda name=name: calls.append(name)) for name in "abc"]
-    times = common.round_robin(steps, rounds=3, warmup=1, quiet=True)
+    steps = [Variant(name, lambda name=name: calls.append(name)) for name in "abc"]
+    times = round_robin(steps, rounds=3, warmup=1, quiet=True)
     assert calls == list("abc" "bca" "cab" "abc")  # a warm-up round, then three; each starts one later
     assert {name: len(values) for name, values in times.items()} == {"a": 3, "b": 3, "c": 3}
     fixed = {"a": [1.0, 2.0, 4.0], "b": [2.0, 2.0, 2.0]}
-    assert common.median_ratio(fixed, "a", "b") == 1.0  # per round: 0.5, 1, 2
+    assert median_ratio(fixed, "a", "b") == 1.0  # per round: 0.5, 1, 2
     with pytest.raises(AssertionError, match="distinct names"):
-        common.round_robin([steps[0], steps[0]], rounds=1, quiet=True)
+        round_robin([steps[0], steps[0]], rounds=1, quiet=True)
+    calls.clear()
+    round_robin(steps, rounds=2, warmup=0, quiet=True, rotate=False)
+    assert calls == list("abc" "abc")
+
+
+def test_the_by_hand_yardstick_gives_the_whole_batchs_gradients() -> None:
+    # Micro-batches weighed by their share: the gradients of a 'mean' loss on the whole batch, for the default
+    # loss (the output's mean), a loss of the output alone, and a loss with a target; uneven micro-batches too.
+    torch.manual_seed(0)
+    model = models.mlp(2, 4)
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    losses = [{}, {"loss_fn": lambda output: output.pow(2).mean()},
+              {"target": y, "loss_fn": nn.functional.mse_loss}]
+    for loss in losses:
+        train_step(model, x, keep_grads=True, **loss)()
+        whole = [p.grad.clone() for p in model.parameters()]
+        drop_grads(model)
+        microbatched_train_step(model, x, 3, keep_grads=True, **loss)()
+        for p, expected in zip(model.parameters(), whole):
+            torch.testing.assert_close(p.grad, expected)
+        drop_grads(model)
+        microbatched_train_step(model, x, 3, **loss)()  # the step timed: its gradients dropped
+        assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(AssertionError, match="loss_fn"):
+        train_step(model, x, target=y)()
 
 
 def test_speed_helpers() -> None:
     from benchmarks import speed
 
     assert speed.parse_config("2x8") == (2, 8)
-    assert speed.even_balance(10, 3) == [4, 3, 3]
+    assert models.even_balance(10, 3) == [4, 3, 3]
 
 
 def test_resnet50_is_an_ordinary_module_and_by_hand_the_same_model() -> None:
@@ -187,7 +220,7 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
                                                              torch.randn(16, 8)))
     for _, schedule, stages in schedules.CONFIGS:
         pipe, x, y = schedules.pipeline("mlp", schedule, stages, 4)
-        schedules.pipe_step(pipe, x, y)()
+        pipeline_step(pipe, x, y)()
         simulated, idle = schedules.timeline_figures(pipe, x, y)
         assert 0.0 <= simulated < 1.0 and 0.0 <= idle < 1.0
     schedules.by_hand_step("mlp", 4)()
@@ -226,7 +259,7 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round() -> N
         # waited for messages (context switches), and gloo's threads.
         assert len(result["cpu"]) == distributed.WORLD
         for rank in result["cpu"]:
-            assert {"main", "gloo"} <= set(rank) <= set(common.THREAD_KINDS), (name, rank)
+            assert {"main", "gloo"} <= set(rank) <= set(THREAD_KINDS), (name, rank)
             assert all(ms >= 0 and switches >= 0 for ms, switches in rank.values()), (name, rank)
             assert rank["main"][1] > 0, (name, rank)
     # One pair of processes ran them all, round by round: the machine line and yardsticks are shared.
@@ -240,7 +273,7 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round() -> N
 
 
 def test_rounds_rotate_the_order_of_their_steps() -> None:
-    orders = [common.rotated("abcd", round_) for round_ in range(8)]
+    orders = [rotated("abcd", round_) for round_ in range(8)]
     assert orders[:4] == [list("abcd"), list("bcda"), list("cdab"), list("dabc")] and orders[4:] == orders[:4]
     # Over 4 rounds each configuration runs once in each place.
     assert all(sorted(order[place] for order in orders[:4]) == list("abcd") for place in range(4))
@@ -267,12 +300,12 @@ def test_thread_cpu_counts_each_kind_of_thread() -> None:
         spun.set()
         stop.wait()
 
-    before = common.thread_cpu()
+    before = thread_cpu()
     thread = threading.Thread(target=spin)
     thread.start()
     try:
         assert spun.wait(30)
-        after = common.thread_cpu()  # the thread is still there: its CPU counts
+        after = thread_cpu()  # the thread is still there: its CPU counts
     finally:
         stop.set()
         thread.join()
