@@ -28,8 +28,11 @@ training, and for one step after a barrier (idle threads, cold caches), with
 the CPU time a step back to back takes on both ranks, by kind of thread
 (from ``/proc``: Linux only).
 
-Configurations: torchpipe ``gpipe`` and ``1f1b``; ``torch.distributed.pipelining``'s
-``ScheduleGPipe`` and ``Schedule1F1B`` (its stages take the same halves of the model).
+Configurations: torchpipe ``gpipe`` and ``1f1b`` on two stages, ``looped_bfs`` and
+``interleaved_zero_bubble`` on four in a loop, ``zbv`` and ``dualpipev`` on four in a V;
+``torch.distributed.pipelining``'s same schedules (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``), its stages taking the same parts of the model on the same ranks.
 
 Goals (issue 18): torchpipe's gpipe and 1f1b at >= 0.90 of the ideal at batch 1024 and >= 0.80 at 256, ahead
 of pipelining's same schedule in the same run; a fixed cost per step no more than pipelining's.
@@ -67,11 +70,19 @@ WIDTH = 512
 CHUNKS = 8
 #: A library and one of its schedules.
 Config = Tuple[str, str]
-CONFIGS: List[Config] = [("torchpipe", "gpipe"), ("torchpipe", "1f1b"), ("pipelining", "ScheduleGPipe"),
-                         ("pipelining", "Schedule1F1B")]
 #: torchpipe's schedules and the same schedule in pipelining: compared round by round.
-RIVALS: Dict[Config, Config] = {("torchpipe", "gpipe"): ("pipelining", "ScheduleGPipe"),
-                                ("torchpipe", "1f1b"): ("pipelining", "Schedule1F1B")}
+RIVALS: Dict[Config, Config] = {
+    ("torchpipe", ours): ("pipelining", theirs) for ours, theirs in [
+        ("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("looped_bfs", "ScheduleLoopedBFS"),
+        ("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
+        ("dualpipev", "ScheduleDualPipeV"),
+    ]
+}
+CONFIGS: List[Config] = [config for pair in RIVALS.items() for config in pair]
+#: The schedules that run two stages per rank (each a quarter of the model): on the loop (stage s on rank s % 2)
+#: or in the V (rank r holds stages r and 3 - r).
+LOOPED = {"looped_bfs", "ScheduleLoopedBFS", "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble"}
+V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV"}
 #: Issue 18's goals: the fraction of the micro-batched ideal, per batch.
 GOALS = {256: 0.80, 1024: 0.90}
 HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine line", "goal", "vs pipelining",
@@ -92,32 +103,42 @@ class Runner:
     def __init__(self, library: str, schedule: str, rank: int, layers: int, width: int) -> None:
         self.rank = rank
         model = models.mlp(layers, width)
-        half = len(model) // 2
+        stages = 2 * WORLD if schedule in LOOPED | V_SHAPED else WORLD
+        size = len(model) // stages
+        if schedule in V_SHAPED:
+            mine = [rank, 2 * WORLD - 1 - rank]
+        else:
+            mine = list(range(rank, stages, WORLD))
+        #: Whether this rank reads the input (holds the first stage) and the target (the last).
+        self.first, self.last = 0 in mine, stages - 1 in mine
         if library == "torchpipe":
             import torchpipe
 
-            self.pipe = torchpipe.Pipeline(model, [half, half], chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn,
+            self.pipe = torchpipe.Pipeline(model, [size] * stages, chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn,
                                            group=dist.group.WORLD)
             self.parameters = list(self.pipe.parameters())
             self.run = self._torchpipe
         else:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+            from torch.distributed import pipelining
 
-            part = nn.Sequential(*list(model.children())[half * rank: half * (rank + 1)])
-            stage = PipelineStage(part, rank, WORLD, torch.device("cpu"))
-            kind = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[schedule]
-            self.schedule = kind(stage, CHUNKS, loss_fn=loss_fn)
-            self.parameters = list(part.parameters())
+            layers_of = list(model.children())
+            parts = [nn.Sequential(*layers_of[size * s: size * (s + 1)]) for s in mine]
+            made = [pipelining.PipelineStage(part, s, stages, torch.device("cpu")) for part, s in zip(parts, mine)]
+            kind = getattr(pipelining, schedule)
+            self.schedule = kind(made if stages > WORLD else made[0], CHUNKS, loss_fn=loss_fn)
+            self.parameters = [p for part in parts for p in part.parameters()]
             self.run = self._pipelining
 
     def _torchpipe(self, x: Tensor, y: Tensor) -> None:
-        self.pipe.step(x if self.rank == 0 else None, y if self.rank == WORLD - 1 else None)
+        self.pipe.step(x if self.first else None, y if self.last else None)
 
     def _pipelining(self, x: Tensor, y: Tensor) -> None:
-        if self.rank == 0:
+        losses: List[Tensor] = []
+        if self.first and self.last:
+            self.schedule.step(x, target=y, losses=losses)
+        elif self.first:
             self.schedule.step(x)
         else:
-            losses: List[Tensor] = []
             self.schedule.step(target=y, losses=losses)
 
     def step(self, x: Tensor, y: Tensor) -> None:
@@ -303,7 +324,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--json", default=None)
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--configs", nargs="+", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help="configurations to run (default: all): 'torchpipe zbv' 'pipelining ScheduleDualPipeV'")
     parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spawned", type=float, default=None, help=argparse.SUPPRESS)
@@ -315,13 +337,14 @@ def main() -> None:
         rank_main(args.rank, [_config(name) for name in args.configs], args.batch, args.rounds, args.out,
                   args.spawned, args.layers, args.width, args.burst)
         return
+    configs = [_config(name) for name in args.configs] if args.configs else CONFIGS
     print(f"machine: {machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
-    print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}; the {len(CONFIGS)} configurations "
+    print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}; the {len(configs)} configurations "
           f"in one pair of processes, a step of each in every round (in turn, the order rotating)")
     rows: List[List[Any]] = []
     results: Dict[str, Dict[str, Any]] = {}
     for batch in args.batches:
-        measured = measure(CONFIGS, batch, args.rounds)
+        measured = measure(configs, batch, args.rounds)
         for name, result in measured.items():
             results[f"{name} batch={batch}"] = result
             rows.append([name, batch, result["speedup"], result["of_ideal"], result["machine_line"],
@@ -342,7 +365,7 @@ def main() -> None:
     print()
     # The cost of a step itself: messages, threads, control; the model computes next to nothing.
     fixed: List[List[Any]] = []
-    measured = measure(CONFIGS, FIXED_BATCH, max(args.rounds, 32), layers=FIXED_LAYERS, width=FIXED_WIDTH,
+    measured = measure(configs, FIXED_BATCH, max(args.rounds, 32), layers=FIXED_LAYERS, width=FIXED_WIDTH,
                        burst=FIXED_BURST)
     for name, result in measured.items():
         results[f"{name} fixed cost"] = result

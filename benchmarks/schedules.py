@@ -63,6 +63,10 @@ CONFIGS: List[Tuple[str, str, int]] = [
     ("1f1b", "1f1b", 2),
     ("interleaved_1f1b (4 stages)", "interleaved_1f1b", 4),
     ("zero_bubble", "zero_bubble", 2),
+    ("looped_bfs (4 stages)", "looped_bfs", 4),
+    ("interleaved_zero_bubble (4 stages)", "interleaved_zero_bubble", 4),
+    ("zbv (4 stages, V)", "zbv", 4),
+    ("dualpipev (4 stages, V)", "dualpipev", 4),
 ]
 #: Issue 18: every schedule at most this fraction of the same micro-batches run by hand (ideal 9/16).
 TIME_GOAL = 0.62

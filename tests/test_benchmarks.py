@@ -244,10 +244,13 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
 def test_the_distributed_benchmark_measures_both_libraries_round_by_round() -> None:
     from benchmarks import distributed
 
-    configs = [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B"), ("torchpipe", "gpipe")]
+    configs = [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B"), ("torchpipe", "gpipe"), ("torchpipe", "zbv"),
+               ("pipelining", "ScheduleZBVZeroBubble")]
     assert set(configs) <= set(distributed.CONFIGS) and distributed.RIVALS[configs[0]] == configs[1]
     figures = distributed.measure(configs, batch=16, rounds=2, timeout=180, burst=2)
-    assert set(figures) == {"torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe gpipe"}
+    assert set(figures) == {"torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe gpipe", "torchpipe zbv",
+                            "pipelining ScheduleZBVZeroBubble"}
+    assert "vs_rival" in figures["torchpipe zbv"], "the V's two stages per rank, beside pipelining's same class"
     for name, result in figures.items():
         assert result["speedup"] > 0 and result["plain_ms"] > 0 and result["pipe_ms"] > 0, name
         assert result["pipe_burst_ms"] > 0  # steps back to back: the fixed cost's figure
