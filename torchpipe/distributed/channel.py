@@ -36,6 +36,9 @@ pipeline's timeout fails as well):
 - ``left/<rank>``: the last step (or collective call) each rank other than
   the store's host is through with (see [Note: leaving the store]).
 
+Every key is under ``torchpipe/attempt<n>/<the mesh's ranks>/<the pipeline's number>/``: unique to the
+pipeline and to torchrun's restart attempt (see [Note: attempts] in torchpipe/distributed/restart.py).
+
 A multi-process pipeline of a mesh's replica shares the store's keys (and so
 its failures and ends of steps) with every replica, and has process groups
 of its own for its stages' messages.
@@ -51,6 +54,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+from torchpipe.distributed.restart import attempt_prefix
 
 try:
     from torch._C._distributed_c10d import ProcessGroupNCCL
@@ -129,7 +134,9 @@ class Channel:
         self.replicas = replicas
         with _instances_lock:
             number = next(_instances.setdefault(self.mesh_ranks, itertools.count()))
-        self.prefix = f"torchpipe/{'-'.join(map(str, self.mesh_ranks))}/{number}/"
+        # Keyed by restart attempt too: a job that torchrun restarted meets in the store its dead attempt wrote
+        # (see [Note: attempts] in torchpipe/distributed/restart.py).
+        self.prefix = f"torchpipe/{attempt_prefix()}{'-'.join(map(str, self.mesh_ranks))}/{number}/"
         self.store: Any = PrefixStore(self.prefix, _default_store())
         self.device = device
         self.timeout = timeout
