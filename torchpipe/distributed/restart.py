@@ -21,6 +21,7 @@ import os
 from typing import Any, Optional
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 __all__ = ["init_process_group", "attempt", "attempt_prefix", "under_torchrun"]
 
@@ -86,9 +87,9 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
     # where the agent shares its rendezvous store); otherwise (a c10d rendezvous in older PyTorch) rank 0 hosts a
     # store of its own at MASTER_PORT, anew at every attempt, and the prefix costs nothing.
     hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-    store = dist.TCPStore(
+    store = TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size if hosts else None,
         is_master=hosts, timeout=timeout, wait_for_workers=False,
     )
-    dist.init_process_group(backend, store=dist.PrefixStore(attempt_prefix(), store), rank=rank,
+    dist.init_process_group(backend, store=PrefixStore(attempt_prefix(), store), rank=rank,
                             world_size=world_size, **kwargs)
