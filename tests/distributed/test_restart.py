@@ -3,8 +3,10 @@ complete checkpoint, with the weights of an uninterrupted run (tests/distributed
 
 Each test runs torchrun once, under a hard timeout that kills torchrun and every rank.
 """
+import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -131,3 +133,29 @@ def test_a_bad_directory_on_one_rank_is_an_error_on_every_rank(tmp_path: Path) -
     for report in reports:
         assert report["raised"] == "ValueError", reports
         assert "is a file; pass a directory" in report["message"], reports
+
+
+@pytest.mark.timeout(300)
+def test_the_example_resumes_after_a_rank_is_killed(tmp_path: Path) -> None:
+    # make run-resume, briefly: examples/train_distributed.py with --checkpoint-dir, rank 1 killed at step 5.
+    spec = importlib.util.spec_from_file_location("train_distributed", ROOT / "examples" / "train_distributed.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    batches, size = 8, 64
+    flags = ["--epochs", "1", "--batches", str(batches), "--batch", str(size), "--chunks", "4", "--timeline", "",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--every", "2", "--die-at-step", "5",
+             "--save", str(tmp_path / "model.pt")]
+    done = torchrun([str(ROOT / "examples" / "train_distributed.py"), *flags], 2, 240, "--max-restarts", "1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "attempt 0: no checkpoint" in done.stdout and "rank 1: killing itself (SIGKILL) at step 5" in done.stdout
+    assert re.search(r"attempt 1: resumed from step (2|4), the newest complete checkpoint", done.stdout), done.stdout
+    plain = example.model(2)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    for x, y in example.data(batches, size):
+        F.cross_entropy(plain(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
