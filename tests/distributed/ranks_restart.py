@@ -1,4 +1,5 @@
 """What each rank runs in the tests of restarts and checkpoints across processes (called by launch.py)."""
+import datetime
 import os
 from pathlib import Path
 from typing import Any, Dict, List
@@ -84,3 +85,40 @@ def bad_directory_on_one_rank(rank: int, world: int, folder: str) -> Dict[str, s
     except (ValueError, OSError) as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     return {"raised": ""}
+
+
+def dies_outside_a_step(rank: int, world: int, where: str) -> Dict[str, Any]:
+    """Global rank 0 hosts the store and idles (as torchrun's agent would: the store outlives the dead rank); ranks
+    1 and 2 run a pipeline. After two steps, ``'between steps'``: its first stage's rank (1) dies and rank 2 starts
+    a step, waiting for the start that never comes; ``'in a collective'``: rank 2 dies and rank 1 calls
+    clip_grad_norm_, which waits in the store for rank 2's norm. What the survivor raised, and when."""
+    import signal
+    import time
+
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        store = dist.distributed_c10d._get_default_store()
+        store.wait(["survivor"], datetime.timedelta(seconds=120))  # the survivor has reported
+        return {}
+    torch.manual_seed(0)
+    pipe = torchpipe.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), [2, 1], chunks=2,
+                              loss_fn=F.mse_loss, group=group)
+    x = torch.randn(4, 4)
+    for _ in range(2):
+        pipe.step(x if rank == 1 else None, x if rank == 2 else None)
+    dying = 1 if where == "between steps" else 2
+    if rank == dying:
+        time.sleep(0.5)  # the survivor is waiting
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        if where == "between steps":
+            pipe.step(None, x)
+        else:
+            pipe.clip_grad_norm_(1.0)
+        report = {"raised": ""}
+    except Exception as exc:  # noqa: BLE001 - the report says what
+        report = {"raised": type(exc).__name__, "message": str(exc)}
+    report["seconds"] = time.monotonic() - started
+    dist.distributed_c10d._get_default_store().set("survivor", "1")
+    return report

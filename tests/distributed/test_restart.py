@@ -159,3 +159,19 @@ def test_the_example_resumes_after_a_rank_is_killed(tmp_path: Path) -> None:
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("where, dead", [("between steps", 1), ("in a collective", 2)])
+def test_a_rank_that_dies_outside_a_step_ends_the_pipeline_on_the_others(where: str, dead: int) -> None:
+    # Story: where the store outlives a dead rank (torchrun's agent hosts it), a rank waiting in the store for the
+    # start of a step that the dead first stage would never publish, or for the dead rank's norm in
+    # clip_grad_norm_, waited for the pipeline's timeout (30 minutes), so a restart waited for it (across hosts,
+    # where no agent stops it). Now the ranks hold a ring of connections that tells them at once.
+    results = launch("tests.distributed.ranks_restart:dies_outside_a_step", 3, timeout=90, where=where)
+    assert results[dead] is None  # it died
+    survivor = results[3 - dead]
+    assert survivor is not None and "ok" in survivor, survivor
+    report = survivor["ok"]
+    assert report["raised"] == "PipelineError", report
+    assert f"rank {dead - 1} died or ended" in report["message"], report  # its rank in the pipeline's group
+    assert report["seconds"] < 5, report

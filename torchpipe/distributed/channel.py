@@ -26,7 +26,9 @@ pipeline's timeout fails as well):
   (start, done, fate); a rank waiting for a message polls it, so every rank
   ends the step within a poll interval (a rank busy with its actions looks
   between them, more rarely: ``BUSY_POLL_SECONDS``; a rank that dies is
-  noticed by its neighbours, whose receives fail, and they write it);
+  noticed by its neighbours, whose receives fail, and they write it; between
+  steps, by its neighbours on a ring of connections, see [Note: liveness] in
+  liveness.py);
 - ``ready/<n>`` and ``fate/<n>``: before a step with collectives between
   replicas (or between the holders of a tied parameter), the ranks agree that
   every one of them will run it (:meth:`Channel.commit`);
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
+from torchpipe.distributed import liveness
 from torchpipe.distributed.restart import attempt_prefix
 
 try:
@@ -169,6 +172,8 @@ class Channel:
         self.outboxes: Dict[Tuple[int, Any], Any] = {}
         #: The transport's routes of each schedule this rank ran, by the schedule's id (with the schedule).
         self.routes: Dict[int, Tuple[Any, Any]] = {}
+        # A rank that ends between steps fails this pipeline everywhere (see [Note: liveness]).
+        liveness.watch(self, timeout)
 
     def _groups(self, name: str, rank: int, size: int) -> Tuple[Any, Any]:
         """Process groups of this pipeline's own, named ``name`` (every member passes the same name): gloo for
@@ -226,7 +231,7 @@ class Channel:
         self._decide(f"fate/{sequence}", "abort")  # no-op after a commit (see commit)
         # The marks go only where nothing was written yet: a start published or a rank's done stand.
         marked = [f"start/{sequence}/{r}" for r in range(self.replicas)]
-        marked += [f"done/{sequence}/{r}" for r in range(self.count)]
+        marked += [f"{key}/{sequence}/{r}" for key in ("done", "exchange") for r in range(self.count)]
         for key in marked:
             self._decide(key, _FAILED.decode())
         self._mine.setdefault(sequence, []).extend([f"failed/{sequence}", f"fate/{sequence}", *marked])
