@@ -28,6 +28,7 @@ DCP's collectives run on a gloo process group of the checkpointer's own, on
 DCP's writing thread, apart from the caller's: so the caller's collectives
 and the pipeline's messages go on meanwhile.
 """
+import inspect
 import itertools
 import json
 import os
@@ -175,7 +176,10 @@ class Checkpointer:
         if ranks is not None:
             self.rank = ranks.index(dist.get_rank())
             # DCP's collectives run on its writing thread: on a group of their own, apart from the caller's.
-            self._group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            try:
+                self._group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            except TypeError:  # a PyTorch without use_local_synchronization: every rank of the world makes it
+                self._group = dist.new_group(list(ranks), backend="gloo")
             with _instances_lock:
                 number = next(_instances.setdefault(ranks, itertools.count()))
             prefix = f"torchpipe/{attempt_prefix()}checkpointer/{'-'.join(map(str, ranks))}/{number}/"
@@ -232,10 +236,7 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state}
         metadata = self._reader(str(path)).read_metadata().state_dict_metadata
         self._raise_everywhere(_mismatch(state, metadata, self._agree(sorted(_flat_keys(state)))), ValueError)
-        if self._group is None:
-            self._dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        else:
-            self._dcp.load(state, checkpoint_id=str(path), process_group=self._group)
+        self._dcp.load(state, checkpoint_id=str(path), **self._where(self._dcp.load))
         self._set_state(self.pipe, self.optimizer, state["model"], state["optim"])
         own = path / f"rank-{self.rank}.pickle"
         if own.exists():
@@ -273,11 +274,10 @@ class Checkpointer:
                pickle.dumps({"rng": _rng_states(self.pipe), "extra": extra, "rank": self.rank, "step": step}))
         model_state, optim_state = self._get_state(self.pipe, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        options: Dict[str, Any] = {"no_dist": True} if self._group is None else {"process_group": self._group}
         if self._async_save is not None:
-            written: Any = self._async_save(state, checkpoint_id=str(path), **options)
+            written: Any = self._async_save(state, checkpoint_id=str(path), **self._where(self._async_save))
         else:  # a PyTorch without async_save: written here, the mark still in the background
-            self._dcp.save(state, checkpoint_id=str(path), **options)
+            self._dcp.save(state, checkpoint_id=str(path), **self._where(self._dcp.save))
             written = None
         self._pending = self._executor.submit(self._finish, written, step, path, self._saves)
         self._last = step
@@ -329,6 +329,17 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed; make a new one")
+
+    def _where(self, function: Any) -> Dict[str, Any]:
+        """The arguments that tell a DCP function which ranks take part: the checkpointer's group, or none
+        (``no_dist``, where this PyTorch's function takes it; older ones see a single process by themselves)."""
+        if self._group is not None:
+            return {"process_group": self._group}
+        try:
+            takes = "no_dist" in inspect.signature(function).parameters
+        except (TypeError, ValueError):
+            takes = False
+        return {"no_dist": True} if takes else {}
 
     def _agree(self, value: Any) -> List[Any]:
         """Every rank's ``value``, in rank order (a collective; ``[value]`` in one process)."""
