@@ -175,3 +175,48 @@ def test_a_rank_that_dies_outside_a_step_ends_the_pipeline_on_the_others(where: 
     assert report["raised"] == "PipelineError", report
     assert f"rank {dead - 1} died or ended" in report["message"], report  # its rank in the pipeline's group
     assert report["seconds"] < 5, report
+
+
+def test_init_process_group_under_torchrun_keys_the_store_by_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's agent hosts the store (here: this test); rank 0 of a world of 1, in restart attempt 2.
+    import datetime
+
+    import torchpipe.distributed
+    from tests.distributed.launch import free_port
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=30),
+                          wait_for_workers=False)
+    for name, value in [("TORCHELASTIC_RESTART_COUNT", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)),
+                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("TORCHELASTIC_USE_AGENT_STORE", "True")]:
+        monkeypatch.setenv(name, value)
+    torchpipe.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    try:
+        assert dist.get_world_size() == 1
+        dist.distributed_c10d._get_default_store().set("mine", "1")
+        keys = [bytes(k).decode() if isinstance(k, bytes) else str(k) for k in agent.list_keys()]
+        assert keys and all(key.startswith("attempt2/") for key in keys), keys
+        assert any(key.endswith("/mine") for key in keys), keys
+        pipe = torchpipe.Pipeline(resume.model(1), [3], loss_fn=F.cross_entropy, group=dist.group.WORLD)
+        assert pipe._channel is not None and pipe._channel.prefix.startswith("torchpipe/attempt2/")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_process_group_outside_torchrun_is_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchpipe.distributed
+    from tests.distributed.launch import free_port
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    torchpipe.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                             world_size=1)
+    try:
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        store = dist.distributed_c10d._get_default_store()
+        store.set("mine", "1")
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        keys = [bytes(k).decode() if isinstance(k, bytes) else str(k) for k in store.list_keys()]
+        assert any(key.endswith("/mine") for key in keys) and not any("attempt" in key for key in keys), keys
+    finally:
+        dist.destroy_process_group()

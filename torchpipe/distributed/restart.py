@@ -54,7 +54,8 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
 
     Under torchrun (``TORCHELASTIC_RESTART_COUNT``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` in the environment), the default process group is made on
-    ``PrefixStore(f"attempt{restart_count}/", TCPStore(MASTER_ADDR, MASTER_PORT))``,
+    ``PrefixStore(f"attempt{restart_count}", TCPStore(MASTER_ADDR, MASTER_PORT))`` (keys
+    ``attempt<n>/...``),
     a client of the store torchrun's agent hosts (or, where the agent does not
     host one, as with older PyTorch's c10d rendezvous, of the store rank 0
     hosts), so that a restarted attempt never reads a key of a dead one (see
@@ -91,5 +92,6 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size if hosts else None,
         is_master=hosts, timeout=timeout, wait_for_workers=False,
     )
-    dist.init_process_group(backend, store=PrefixStore(attempt_prefix(), store), rank=rank,
+    # PrefixStore puts a "/" between its prefix and each key.
+    dist.init_process_group(backend, store=PrefixStore(f"attempt{attempt()}", store), rank=rank,
                             world_size=world_size, **kwargs)
