@@ -54,12 +54,11 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> None:
 
     Under torchrun (``TORCHELASTIC_RESTART_COUNT``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` in the environment), the default process group is made on
-    ``PrefixStore(f"attempt{restart_count}", TCPStore(MASTER_ADDR, MASTER_PORT))`` (keys
-    ``attempt<n>/...``),
-    a client of the store torchrun's agent hosts (or, where the agent does not
-    host one, as with older PyTorch's c10d rendezvous, of the store rank 0
-    hosts), so that a restarted attempt never reads a key of a dead one (see
-    [Note: attempts]). Elsewhere, or when ``init_method`` or ``store`` is
+    ``PrefixStore(f"attempt{restart_count}", TCPStore(MASTER_ADDR, MASTER_PORT))``,
+    whose keys are ``attempt<n>/...``, on a client of the store torchrun's
+    agent hosts (or, where the agent hosts none, as under older PyTorch's c10d
+    rendezvous, of the store rank 0 hosts): a restarted attempt never reads a
+    key of a dead one (see [Note: attempts]). Elsewhere, or when ``init_method`` or ``store`` is
     given, it is ``torch.distributed.init_process_group(backend, **kwargs)``.
 
     Args:
