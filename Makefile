@@ -1,5 +1,6 @@
 # The commands of the README: `make run` (a pipelined training run), `make test`,
-# `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun) and
+# `make run-distributed` (a Pipeline trained over two processes, one stage each, under torchrun),
+# `make run-resume` (the same job, a rank killed: torchrun restarts it and it resumes from its checkpoint) and
 # `make run-mesh` (two data-parallel replicas of a two-stage Pipeline: four processes on a 2 x 2 mesh);
 # `make run-lm` and `make run-lm-distributed` train a small language model (examples/train_lm.py); `make gpu-check`
 # checks and measures the CUDA paths on a machine with a GPU (benchmarks/gpu_check.py).
@@ -13,7 +14,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchpipe-installed
 
-.PHONY: run run-distributed run-mesh run-lm run-lm-distributed test lint typecheck unit unit-kernels bench gpu-check docs clean
+.PHONY: run run-distributed run-resume run-mesh run-lm run-lm-distributed test lint typecheck unit unit-kernels bench gpu-check docs clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +29,21 @@ run: $(STAMP)
 # A Pipeline over two processes on this host (gloo on CPU, NCCL on GPUs): see docs/distributed.md.
 run-distributed: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_distributed.py
+
+# A job that survives a dead rank (docs/distributed.md, "Resuming after a failure"): the distributed example,
+# checkpointed every 10 steps, first uninterrupted, then under torchrun --max-restarts 1 with rank 1 killed
+# (SIGKILL) at step 25; torchrun restarts both ranks, they resume from the newest complete checkpoint, and the
+# last line compares the two runs' final loss and weights.
+RESUME := $(VENV)/bin/torchrun --standalone --nproc-per-node 2
+run-resume: $(STAMP)
+	rm -rf out/resume && mkdir -p out/resume
+	@echo "--- an uninterrupted run"
+	$(RESUME) examples/train_distributed.py --timeline '' --checkpoint-dir out/resume/uninterrupted --every 10 \
+		--result out/resume/uninterrupted.json
+	@echo "--- the same run, rank 1 killed at step 25"
+	$(RESUME) --max-restarts 1 examples/train_distributed.py --timeline '' --checkpoint-dir out/resume/killed \
+		--every 10 --die-at-step 25 --result out/resume/killed.json
+	$(PY) examples/train_distributed.py --compare out/resume/uninterrupted.json out/resume/killed.json
 
 # A small GPT-2 (transformers, tied embedding and head) trained on the standard library's source, byte by byte:
 # traced by as_sequential, balanced, a Pipeline of two stages; in one process, or one stage per rank.

@@ -21,15 +21,30 @@ replicate``) or reduce-scattered onto FSDP2 shards (``--data-parallel shard``).
 ``--batch`` is the global batch: the replicas together train on the same
 samples per step as one pipeline would.
 
+With ``--checkpoint-dir DIR`` the job saves itself every ``--every`` steps
+(:class:`torchpipe.Checkpointer`) and resumes from its newest complete
+checkpoint when it starts again: launched with ``torchrun --max-restarts N``,
+a job that loses a rank is restarted by torchrun and goes on where it was, at
+the cost of the steps since the last checkpoint. ``--die-at-step K`` makes
+rank ``--die-rank`` (default 1) kill itself (SIGKILL) at the start of step K,
+in torchrun's first attempt only, to show it (``make run-resume``), and
+``--result FILE`` writes the final loss and a fingerprint of the weights, which
+``--compare A B`` compares (no torchrun needed).
+
 Flags: ``--epochs``, ``--chunks``, ``--schedule`` (``1f1b``, ``gpipe``,
 ``zero_bubble``, ``interleaved_1f1b``), ``--batch``, ``--dp``,
-``--data-parallel``, ``--timeline out.json``, ``--save model.pt``.
+``--data-parallel``, ``--timeline out.json``, ``--save model.pt``,
+``--checkpoint-dir``, ``--every``, ``--die-at-step``, ``--die-rank``, ``--result``, ``--compare``.
 """
 import argparse
+import hashlib
+import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +53,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchpipe
+import torchpipe.distributed
 from torchpipe import trace
 
 CLASSES = 10
@@ -81,7 +97,34 @@ def replica_batches(batches: List[Tuple[Tensor, Tensor]], replica: int, replicas
     return list(loader)  # read once: the synthetic data set is small, and the epochs time the steps alone
 
 
+def fingerprint(state: Dict[str, Tensor]) -> str:
+    """A hash of every weight's bytes, by key: equal fingerprints, equal weights, bit for bit."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def compare(first: str, second: str) -> None:
+    """Prints whether two runs' ``--result`` files tell the same final loss and weights."""
+    a, b = (json.loads(Path(path).read_text()) for path in (first, second))
+    resumed = f" (it resumed from step {b['resumed from']})" if b.get("resumed from") else ""
+    if a["loss"] == b["loss"] and a["weights"] == b["weights"]:
+        print(f"the run of {second}{resumed} ended as the run of {first}: loss {b['loss']!r}, "
+              f"weights {b['weights']} (bit for bit)")
+        return
+    print(f"the runs differ: {first} ended with loss {a['loss']!r}, weights {a['weights']}; {second}{resumed} "
+          f"with loss {b['loss']!r}, weights {b['weights']}")
+    raise SystemExit(1)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--compare"]:
+        if len(sys.argv) != 4:
+            raise SystemExit("usage: train_distributed.py --compare RESULT_A RESULT_B")
+        compare(sys.argv[2], sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=8)
@@ -97,12 +140,25 @@ def main() -> None:
                         help="where to write one step's timeline (default: out/timeline-distributed.json, "
                              "with --dp out/timeline-mesh.json; '' for none)")
     parser.add_argument("--save", default=None, help="write the trained state dict (plain keys) here")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save every --every steps here, and resume from the newest complete checkpoint")
+    parser.add_argument("--every", type=int, default=10, help="with --checkpoint-dir: steps between checkpoints")
+    parser.add_argument("--die-at-step", type=int, default=None,
+                        help="rank --die-rank kills itself (SIGKILL) at the start of this step, in torchrun's first "
+                             "attempt only (try it with torchrun --max-restarts 1 and --checkpoint-dir)")
+    parser.add_argument("--die-rank", type=int, default=1)
+    parser.add_argument("--result", default=None, help="write the final loss and the weights' fingerprint here")
     args = parser.parse_args()
+    if args.every < 1:
+        parser.error(f"--every must be at least 1, got {args.every}")
     if args.timeline is None:
         args.timeline = "out/timeline-distributed.json" if args.dp is None else "out/timeline-mesh.json"
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # torch.distributed.init_process_group, on a store prefix of this torchrun attempt's own: a job that torchrun
+    # restarts meets again without reading the dead attempt's keys.
+    torchpipe.distributed.init_process_group("nccl" if cuda else "gloo")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = dist.get_rank(), dist.get_world_size()
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -139,17 +195,38 @@ def main() -> None:
     def step(x: Tensor, y: Tensor) -> Tensor:
         return pipe.step(x if pipe.rank == first else None, y if pipe.rank == last else None)
 
-    for epoch in range(args.epochs):
-        start, losses = time.perf_counter(), []
-        for x, y in batches:
+    ckpt = None
+    start = 0
+    if args.checkpoint_dir is not None:
+        ckpt = torchpipe.Checkpointer(args.checkpoint_dir, pipe, optimizer, every=args.every, keep=2)
+        start = ckpt.restore()  # the step to go on from: 0 without a complete checkpoint
+        if rank == 0:
+            print(f"attempt {attempt}: " + (f"resumed from step {start}, the newest complete checkpoint in "
+                                             f"{args.checkpoint_dir}" if start else
+                                             f"no checkpoint in {args.checkpoint_dir}: from the start"), flush=True)
+    total = args.epochs * len(batches)
+    loss = torch.zeros(())
+    for epoch in range(start // len(batches), args.epochs):
+        began, losses = time.perf_counter(), []
+        first_batch = start % len(batches) if epoch == start // len(batches) else 0
+        for index in range(first_batch, len(batches)):
+            number = epoch * len(batches) + index  # steps done so far
+            if number == args.die_at_step and rank == args.die_rank and attempt == 0:
+                print(f"rank {rank}: killing itself (SIGKILL) at step {number} of {total}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = batches[index]
             loss = step(x, y)  # every replica's mean: the same on every rank
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        seconds = time.perf_counter() - start
+            if ckpt is not None:
+                ckpt.step(number + 1, extra={"step": number + 1})  # saves every --every steps, in the background
+        seconds = time.perf_counter() - began
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                  f"{len(batches) * args.batch / seconds:.0f} samples/s", flush=True)
+                  f"{len(losses) * args.batch / seconds:.0f} samples/s", flush=True)
+    if ckpt is not None:
+        ckpt.close()  # waits for the last save
 
     with trace.record_timeline() as timeline:
         x, y = batches[0]
@@ -173,6 +250,10 @@ def main() -> None:
     if rank == 0 and args.save:
         torch.save(state, args.save)
         print(f"state dict ({len(state)} tensors, plain keys) saved to {args.save}", flush=True)
+    if rank == 0 and args.result:
+        weights = fingerprint(state)
+        Path(args.result).write_text(json.dumps({"loss": loss.item(), "weights": weights, "resumed from": start}))
+        print(f"final loss {loss.item()!r}, weights {weights}: {args.result}", flush=True)
     dist.destroy_process_group()
 
 

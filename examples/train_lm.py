@@ -23,6 +23,12 @@ What it does, in order:
 6. writes the timeline of one training step (``--timeline``, a PNG; a JSON
    Chrome trace beside it).
 
+With ``--checkpoint-dir DIR`` the run saves itself every ``--every`` steps
+(:class:`torchpipe.Checkpointer`: weights, AdamW's state, the LR schedule
+and the data generator's position, every rank's RNG states) and, started
+again with the same flags, resumes from its newest complete checkpoint; under
+``torchrun --max-restarts N`` a run that loses a rank does so by itself.
+
 In one process (the default) every stage is a CPU worker with one core (or a
 GPU each when there are enough). Across processes, one stage per rank::
 
@@ -51,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchpipe
+import torchpipe.distributed
 from torchpipe import trace
 from torchpipe_balancing import balance_by_size, balance_by_time
 
@@ -143,7 +150,9 @@ class Run:
         self.distributed = bool(args.distributed)
         if self.distributed:
             cuda = torch.cuda.is_available()
-            dist.init_process_group("nccl" if cuda else "gloo")
+            # torch's init_process_group on a store prefix of this torchrun attempt's own: a restarted job does not
+            # read the dead attempt's keys.
+            torchpipe.distributed.init_process_group("nccl" if cuda else "gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             # The device of this script's own collectives: NCCL takes CUDA tensors only.
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -290,9 +299,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timeline", type=Path, default=Path("out/timeline-lm.png"),
                         help="the PNG of one step's timeline ('' : none)")
     parser.add_argument("--distributed", action="store_true", help="one stage per rank (launch with torchrun)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save every --every steps here, and resume from the newest complete checkpoint")
+    parser.add_argument("--every", type=int, default=50, help="with --checkpoint-dir: steps between checkpoints")
     args = parser.parse_args(argv)
     for name in ("steps", "batch", "length", "chunks", "stages", "layers", "width", "heads", "print_every",
-                 "eval_batches"):
+                 "eval_batches", "every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.length < 2:
@@ -334,11 +346,22 @@ def main(argv: Sequence[str]) -> None:
     warmup = min(20, args.steps // 5 + 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # a short warm-up, then a linear decay to a tenth
         optimizer, lambda k: min(1.0, (k + 1) / warmup) * (1.0 - 0.9 * k / args.steps))
-    run.print(f"held-out loss before training: {evaluate(run, pipe, held_out):.3f} (uniform over bytes: "
+    ckpt = None
+    start = 0
+    if args.checkpoint_dir is not None:
+        ckpt = torchpipe.Checkpointer(args.checkpoint_dir, pipe, optimizer, every=args.every, keep=2)
+        start = ckpt.restore()  # weights, AdamW's state, this rank's RNG states; 0 without a checkpoint
+        if start:
+            # What the run's position is besides: the data's generator and the LR schedule.
+            generator.set_state(ckpt.extra["data"])
+            schedule.load_state_dict(ckpt.extra["schedule"])
+            run.print(f"resumed from step {start}, the newest complete checkpoint in {args.checkpoint_dir}")
+    run.print(f"held-out loss {'before training' if not start else f'at step {start}'}: "
+              f"{evaluate(run, pipe, held_out):.3f} (uniform over bytes: "
               f"{torch.log(torch.tensor(float(VOCAB))).item():.3f})")
     train = time.perf_counter()
     recent: List[float] = []
-    for step in range(1, args.steps + 1):
+    for step in range(start + 1, args.steps + 1):
         ids = windows(train_text, args.batch, args.length, generator)
         recent.append(pipe.step(*run.inputs(ids)).item())
         if args.clip > 0:  # by the whole model's norm, the tied weight counted once: a collective across ranks
@@ -346,14 +369,18 @@ def main(argv: Sequence[str]) -> None:
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
+        if ckpt is not None:  # every --every steps, written in the background
+            ckpt.step(step, extra={"data": generator.get_state(), "schedule": schedule.state_dict()})
         if step % args.print_every == 0 or step == args.steps:
             seconds = time.perf_counter() - train
             run.print(f"step {step:4d}/{args.steps}: loss {sum(recent) / len(recent):.3f}  "
-                      f"({step * args.batch * args.length / seconds:.0f} tokens/s, {seconds:.0f} s)")
+                      f"({(step - start) * args.batch * args.length / seconds:.0f} tokens/s, {seconds:.0f} s)")
             recent = []
+    if ckpt is not None:
+        ckpt.close()
     seconds = time.perf_counter() - train
     run.print(f"held-out loss after {args.steps} steps: {evaluate(run, pipe, held_out):.3f}; trained in "
-              f"{seconds:.0f} s ({args.steps * args.batch * args.length / seconds:.0f} tokens/s)")
+              f"{seconds:.0f} s ({(args.steps - start) * args.batch * args.length / max(seconds, 1e-9):.0f} tokens/s)")
     text = continue_text(run, pipe, args.prompt.encode(), args.generate, args.length, args.temperature, args.seed)
     how = f"sampled at temperature {args.temperature}" if args.temperature > 0 else "greedy"
     run.print(f"continuation of {args.prompt!r} ({how}):\n{(args.prompt.encode() + text).decode(errors='replace')}")

@@ -7,6 +7,7 @@ picture is written.
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,33 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exit:
             train_lm.parse_args(flags)
         assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_language_model_example_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    # Saved at steps 8 and 16; the second run finds step 16 gone (as if the job had died before it) and goes on
+    # from step 8: weights, AdamW's state, the LR schedule, the data generator and the RNG as they were, so it
+    # prints what the first run printed from there on.
+    flags = [*TINY, "--timeline", "", "--checkpoint-dir", str(tmp_path / "ckpt"), "--every", "8"]
+
+    def run() -> str:
+        done = subprocess.run([sys.executable, str(EXAMPLE), *flags], cwd=ROOT, env=environment(),
+                              capture_output=True, text=True, timeout=300, start_new_session=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    first = run()
+    check_the_loss_fell(first)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-16", "step-8"]
+    shutil.rmtree(tmp_path / "ckpt" / "step-16")
+    second = run()
+    assert "resumed from step 8, the newest complete checkpoint" in second, second
+
+    def after_step_8(out: str) -> List[str]:
+        lines = out.splitlines()
+        kept = [line for line in lines if re.match(r"step +(12|16)/16: loss", line)]
+        ending = lines[next(k for k, line in enumerate(lines) if line.startswith("held-out loss after")):]
+        assert len(kept) == 2 and ending[1].startswith("continuation of"), out
+        return [re.sub(r"\(\d+ tokens/s.*\)|; trained in.*", "", line) for line in kept + ending[:1]] + ending[1:-1]
+
+    assert after_step_8(second) == after_step_8(first), (first, second)

@@ -104,6 +104,31 @@ def launch(function: str, world: int, *, timeout: float = 120.0, **kwargs: Any) 
         return results
 
 
+def torchrun(arguments: List[str], ranks: int, timeout: float, *options: str) -> "subprocess.CompletedProcess[str]":
+    """``torchrun --nproc-per-node ranks *options *arguments`` on 127.0.0.1 (a free port); torchrun and every rank
+    are killed (their process group) after ``timeout`` seconds, and an AssertionError shows their output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), *options, *arguments]
+    child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        raise AssertionError(f"torchrun {arguments} did not end within {timeout} s:\n{stdout[-3000:]}"
+                             f"\n{stderr[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # ranks left behind by torchrun, if any
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
 def _kill(child: "subprocess.Popen[bytes]") -> None:
     if child.poll() is None:
         try:

@@ -26,7 +26,9 @@ pipeline's timeout fails as well):
   (start, done, fate); a rank waiting for a message polls it, so every rank
   ends the step within a poll interval (a rank busy with its actions looks
   between them, more rarely: ``BUSY_POLL_SECONDS``; a rank that dies is
-  noticed by its neighbours, whose receives fail, and they write it);
+  noticed by its neighbours, whose receives fail, and they write it; between
+  steps, by its neighbours on a ring of connections, see [Note: liveness] in
+  liveness.py);
 - ``ready/<n>`` and ``fate/<n>``: before a step with collectives between
   replicas (or between the holders of a tied parameter), the ranks agree that
   every one of them will run it (:meth:`Channel.commit`);
@@ -35,6 +37,9 @@ pipeline's timeout fails as well):
   every rank is done (or one failed), so a step ends the same way everywhere;
 - ``left/<rank>``: the last step (or collective call) each rank other than
   the store's host is through with (see [Note: leaving the store]).
+
+Every key is under ``torchpipe/attempt<n>/<the mesh's ranks>/<the pipeline's number>/``: unique to the
+pipeline and to torchrun's restart attempt (see [Note: attempts] in torchpipe/distributed/restart.py).
 
 A multi-process pipeline of a mesh's replica shares the store's keys (and so
 its failures and ends of steps) with every replica, and has process groups
@@ -51,6 +56,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+from torchpipe.distributed import liveness
+from torchpipe.distributed.restart import attempt_prefix
 
 try:
     from torch._C._distributed_c10d import ProcessGroupNCCL
@@ -129,7 +137,9 @@ class Channel:
         self.replicas = replicas
         with _instances_lock:
             number = next(_instances.setdefault(self.mesh_ranks, itertools.count()))
-        self.prefix = f"torchpipe/{'-'.join(map(str, self.mesh_ranks))}/{number}/"
+        # Keyed by restart attempt too: a job that torchrun restarted meets in the store its dead attempt wrote
+        # (see [Note: attempts] in torchpipe/distributed/restart.py).
+        self.prefix = f"torchpipe/{attempt_prefix()}{'-'.join(map(str, self.mesh_ranks))}/{number}/"
         self.store: Any = PrefixStore(self.prefix, _default_store())
         self.device = device
         self.timeout = timeout
@@ -154,6 +164,8 @@ class Channel:
         self.collectives = False
         #: Whether steps without backward start collectives too (FSDP2 gathers the parameters of every step).
         self.collectives_without_grad = False
+        # A rank that ends between steps fails this pipeline everywhere (see [Note: liveness]).
+        liveness.watch(self, timeout)
 
     def _groups(self, name: str, rank: int, size: int) -> Tuple[Any, Any]:
         """Process groups of this pipeline's own, named ``name`` (every member passes the same name): gloo for
@@ -211,7 +223,7 @@ class Channel:
         self._decide(f"fate/{sequence}", "abort")  # no-op after a commit (see commit)
         # The marks go only where nothing was written yet: a start published or a rank's done stand.
         marked = [f"start/{sequence}/{r}" for r in range(self.replicas)]
-        marked += [f"done/{sequence}/{r}" for r in range(self.count)]
+        marked += [f"{key}/{sequence}/{r}" for key in ("done", "exchange") for r in range(self.count)]
         for key in marked:
             self._decide(key, _FAILED.decode())
         self._mine.setdefault(sequence, []).extend([f"failed/{sequence}", f"fate/{sequence}", *marked])
