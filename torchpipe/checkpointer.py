@@ -33,28 +33,31 @@ import itertools
 import json
 import os
 import pickle
-import random
-import re
 import shutil
-import socket
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
+from torchpipe.checkpoint_files import MARK, check_directory, listing, sync_directory, write
+from torchpipe.checkpoint_state import (
+    flat_keys,
+    mismatch,
+    put_grads,
+    rng_states,
+    set_rng_states,
+    without_grads,
+)
 from torchpipe.distributed.restart import attempt_prefix
 
 __all__ = ["Checkpointer", "MARK"]
 
-#: The file that marks a checkpoint's directory complete (see [Note: complete checkpoints]).
-MARK = "torchpipe-complete.json"
-_STEP = re.compile(r"^step-(\d+)$")
 #: DCP's warning at a save or load without a process group (see Checkpointer.__init__).
 _ONE_PROCESS = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to (save|load)"
 
@@ -189,10 +192,10 @@ class Checkpointer:
             # it is the intent (no_dist=True). The save warns on DCP's own thread, where a catch_warnings around
             # the call cannot reach (nor safely could): so a filter, once, for these messages alone.
             warnings.filterwarnings("ignore", message=_ONE_PROCESS, category=UserWarning)
-        self._raise_everywhere(_check_directory(self.directory))
+        self._raise_everywhere(check_directory(self.directory))
         # Directories without a mark, left by a dead attempt (nothing writes while a checkpointer is made): the
         # next save removes them.
-        self._stale: List[Path] = [p for _, p, complete in _listing(self.directory) if not complete]
+        self._stale: List[Path] = [p for _, p, complete in listing(self.directory) if not complete]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="torchpipe-checkpointer")
         self._pending: Optional[Future[None]] = None
         self._saves = 0
@@ -218,31 +221,31 @@ class Checkpointer:
                 every rank); nothing is loaded.
         """
         self._check_open()
-        newest = [step for step, _, complete in _listing(self.directory) if complete]
+        newest = [step for step, _, complete in listing(self.directory) if complete]
         choice: Optional[int] = self._agree(max(newest) if newest else None)[0]  # the first rank's listing, for all
         self.extra = None
         if choice is None:
             self.restored = 0
             return 0
         path = self.directory / f"step-{choice}"
-        grads = _without_grads(self.optimizer) if not self.optimizer.state else None
+        grads = without_grads(self.optimizer) if not self.optimizer.state else None
         try:
             # With an empty optimizer state, get_state_dict makes one (a step of zero gradients at lr 0), for the
             # checkpoint's to overwrite.
             model_state, optim_state = self._get_state(self.pipe, self.optimizer)
         finally:
             if grads is not None:
-                _put_grads(self.optimizer, grads)
+                put_grads(self.optimizer, grads)
         state = {"model": model_state, "optim": optim_state}
         metadata = self._reader(str(path)).read_metadata().state_dict_metadata
-        self._raise_everywhere(_mismatch(state, metadata, self._agree(sorted(_flat_keys(state)))), ValueError)
+        self._raise_everywhere(mismatch(state, metadata, self._agree(sorted(flat_keys(state)))), ValueError)
         self._dcp.load(state, checkpoint_id=str(path), **self._where(self._dcp.load))
         self._set_state(self.pipe, self.optimizer, state["model"], state["optim"])
         own = path / f"rank-{self.rank}.pickle"
         if own.exists():
             with open(own, "rb") as file:
                 saved = pickle.load(file)
-            _set_rng_states(saved["rng"])
+            set_rng_states(saved["rng"])
             self.extra = saved["extra"]
         self._last = self.restored = choice
         return choice
@@ -270,8 +273,8 @@ class Checkpointer:
             problem = self._clear(path)
         self._raise_everywhere(problem)  # the directory is clear before any rank writes into it
         path.mkdir(parents=True, exist_ok=True)
-        _write(path / f"rank-{self.rank}.pickle",
-               pickle.dumps({"rng": _rng_states(self.pipe), "extra": extra, "rank": self.rank, "step": step}))
+        write(path / f"rank-{self.rank}.pickle",
+               pickle.dumps({"rng": rng_states(self.pipe), "extra": extra, "rank": self.rank, "step": step}))
         model_state, optim_state = self._get_state(self.pipe, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
         if self._async_save is not None:
@@ -318,7 +321,7 @@ class Checkpointer:
 
     def checkpoints(self) -> List[int]:
         """The steps of the complete checkpoints in the directory, oldest first."""
-        return sorted(step for step, _, complete in _listing(self.directory) if complete)
+        return sorted(step for step, _, complete in listing(self.directory) if complete)
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, every={self.every}, keep={self.keep}, "
@@ -395,11 +398,11 @@ class Checkpointer:
             except RuntimeError:  # a store without delete_key: the key stays
                 pass
         tmp = path / f".{MARK}.tmp"
-        _write(tmp, json.dumps({"step": step, "ranks": 1 if self.ranks is None else len(self.ranks),
+        write(tmp, json.dumps({"step": step, "ranks": 1 if self.ranks is None else len(self.ranks),
                                 "torch": torch.__version__}).encode())
         os.replace(tmp, path / MARK)
-        _sync_directory(path)
-        complete = [(s, p) for s, p, done in _listing(self.directory) if done]
+        sync_directory(path)
+        complete = [(s, p) for s, p, done in listing(self.directory) if done]
         for _, old in sorted(complete)[:-self.keep]:
             try:
                 (old / MARK).unlink()  # no longer complete, even if the removal stops half way
@@ -419,176 +422,3 @@ def _ranks(pipe: nn.Module, group: Any) -> Optional[Tuple[int, ...]]:
     if channel is None:
         return None
     return tuple(channel.mesh_ranks)
-
-
-def _check_directory(path: Path) -> Optional[Tuple[str, str]]:
-    """Whether this process can keep checkpoints in ``path``: None, or the error's type name and message."""
-    if path.exists() and not path.is_dir():
-        return "ValueError", (f"the checkpoint directory {str(path)!r} is a file; pass a directory (it is made if "
-                              "missing), or move the file away")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return "OSError", (f"cannot make the checkpoint directory {str(path)!r} on host {socket.gethostname()}: "
-                           f"{exc}; pass a directory this process can create")
-    probe = path / f".torchpipe-probe-{socket.gethostname()}-{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        return "OSError", (f"cannot write in the checkpoint directory {str(path)!r} on host {socket.gethostname()}: "
-                           f"{exc}; pass a directory this process can write")
-    return None
-
-
-def _listing(directory: Path) -> List[Tuple[int, Path, bool]]:
-    """The step directories under ``directory``: (step, path, whether complete), in no order."""
-    found = []
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        match = _STEP.match(entry.name)
-        if match and entry.is_dir():
-            path = Path(entry.path)
-            found.append((int(match.group(1)), path, (path / MARK).is_file()))
-    return found
-
-
-def _write(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` and flushes it to the disk."""
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _sync_directory(path: Path) -> None:
-    """Flushes a rename in ``path`` to the disk (where the platform can)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _flat_keys(state: Dict[str, Any]) -> Dict[str, Optional[Tuple[int, ...]]]:
-    """The keys DCP writes ``state`` under (a nested dict's keys joined by dots), with each tensor's (global)
-    shape; None for other values (DCP may flatten a container of tensors further, under the key as prefix)."""
-    flat: Dict[str, Optional[Tuple[int, ...]]] = {}
-
-    def visit(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                visit(f"{prefix}.{key}" if prefix else str(key), item)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix] = tuple(value.shape)
-        else:
-            flat[prefix] = None
-
-    visit("", state)
-    return flat
-
-
-def _mismatch(
-    state: Dict[str, Any], metadata: Dict[str, Any], every_rank: Sequence[Sequence[str]]
-) -> Optional[Tuple[str, str]]:
-    """What makes the checkpoint (``metadata``: DCP's key -> storage) not this model's: this rank's keys it
-    lacks, shapes that differ, and model keys it has that no rank (``every_rank``'s keys) holds."""
-    mine = _flat_keys(state)
-    held = set(metadata)
-
-    def there(key: str) -> bool:
-        return key in held or any(k.startswith(key + ".") for k in held)
-
-    missing = sorted(k for k in mine if not there(k))
-    shapes = []
-    for key, shape in sorted(mine.items()):
-        size = getattr(metadata.get(key), "size", None)
-        if shape is not None and size is not None and tuple(size) != shape:
-            shapes.append(f"{key!r}: {tuple(size)} in the checkpoint, {shape} here")
-    known = {k for keys in every_rank for k in keys}
-    unknown = sorted(k for k in held if k.startswith("model.") and k not in known)
-    if not (missing or shapes or unknown):
-        return None
-    parts = []
-    if missing:
-        parts.append(f"keys it lacks: {_some([repr(k) for k in missing])}")
-    if unknown:
-        parts.append(f"model keys no rank here holds: {_some([repr(k) for k in unknown])}")
-    if shapes:
-        parts.append(f"shapes that differ: {_some(shapes)}")
-    return "ValueError", ("the checkpoint is not of this model (or optimizer): " + "; ".join(parts)
-                          + ". Nothing was loaded: pass the directory of this model's checkpoints, or build the "
-                            "model (and optimizer) that saved it")
-
-
-def _some(items: Sequence[str], most: int = 12) -> str:
-    shown = ", ".join(items[:most])
-    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
-
-
-def _without_grads(optimizer: torch.optim.Optimizer) -> List[Optional[torch.Tensor]]:
-    """Takes every parameter's ``.grad`` away (DCP makes an empty optimizer state only where there is none)."""
-    grads = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grads.append(param.grad)
-            param.grad = None
-    return grads
-
-
-def _put_grads(optimizer: torch.optim.Optimizer, grads: List[Optional[torch.Tensor]]) -> None:
-    values = iter(grads)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = next(values)
-
-
-def _cuda_devices(pipe: nn.Module) -> List[int]:
-    """The CUDA devices whose generators this rank's random numbers come from: the pipeline's, and the current."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return []
-    devices = {torch.cuda.current_device()}
-    for device in getattr(pipe, "devices", None) or ():
-        if isinstance(device, torch.device) and device.type == "cuda":
-            devices.add(device.index if device.index is not None else torch.cuda.current_device())
-    return sorted(devices)
-
-
-def _rng_states(pipe: nn.Module) -> Dict[str, Any]:
-    """This process's RNG states: torch's CPU generator, the CUDA generators it uses, Python's ``random``,
-    NumPy's global one (if NumPy is installed)."""
-    states: Dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate(),
-                              "cuda": {d: torch.cuda.get_rng_state(d) for d in _cuda_devices(pipe)}}
-    try:
-        import numpy
-    except ImportError:
-        return states
-    states["numpy"] = numpy.random.get_state()
-    return states
-
-
-def _set_rng_states(states: Dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["random"])
-    cuda = states.get("cuda") or {}
-    if cuda and torch.cuda.is_available():
-        for device, state in cuda.items():
-            if device < torch.cuda.device_count():
-                torch.cuda.set_rng_state(state, device)
-    if "numpy" in states:
-        try:
-            import numpy
-        except ImportError:
-            warnings.warn("the checkpoint holds NumPy's RNG state, but NumPy is not installed: not restored",
-                          stacklevel=3)
-            return
-        numpy.random.set_state(states["numpy"])
-
