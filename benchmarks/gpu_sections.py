@@ -30,6 +30,7 @@ from benchmarks.harness.machine import cores
 from benchmarks.harness.memory import step_peak_bytes
 from benchmarks.harness.steps import Step, drop_grads, microbatched_train_step, pipeline_step, train_step
 from benchmarks.harness.timing import Variant, median_ratio, round_robin
+from torchpipe.schedule import LOOPED, V_SHAPED
 
 MiB = 1024 * 1024
 #: Micro-batches of the GPipe and Pipeline figures.
@@ -373,8 +374,8 @@ def release(device: torch.device) -> None:
 # --- 3. Pipeline schedules ----------------------------------------------------------------------------------
 
 
-#: Stages per worker of a built-in schedule (the others: one), for two workers.
-STAGES_PER_WORKER = {"interleaved_1f1b": 2}
+#: Stages per worker of a built-in schedule (the others: one), for two workers: two on the loop and in the V.
+STAGES_PER_WORKER = {name: 2 for name in LOOPED + V_SHAPED}
 
 
 def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: Tensor, loss: float,
