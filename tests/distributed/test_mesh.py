@@ -1,13 +1,9 @@
 """Tied weights across ranks and pipelines on a 2-D mesh (issues 16, 17): gloo ranks on 127.0.0.1, hard timeouts."""
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
@@ -15,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from tests.distributed.launch import ROOT, free_port, launch, ok
+from tests.distributed.launch import ROOT, launch, ok, torchrun
 from tests.test_ties import tied_lm
 
 pytestmark = [
@@ -157,30 +153,6 @@ def _example() -> ModuleType:
     return module
 
 
-def _torchrun(arguments: List[str], ranks: int, timeout: float) -> "subprocess.CompletedProcess[str]":
-    """torchrun on 127.0.0.1; torchrun and every rank are killed (their process group) after ``timeout`` s."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), *arguments]
-    child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
-        stdout, stderr = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        stdout, stderr = child.communicate()
-        raise AssertionError(f"torchrun {arguments} did not end within {timeout} s:\n{stdout[-3000:]}"
-                             f"\n{stderr[-3000:]}") from None
-    finally:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)  # ranks left behind by torchrun, if any
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode", ["replicate", "shard"])
 def test_the_example_trains_two_replicas_of_a_two_stage_pipeline(tmp_path: Path, mode: str) -> None:
@@ -188,7 +160,7 @@ def test_the_example_trains_two_replicas_of_a_two_stage_pipeline(tmp_path: Path,
     # it saves is the plain model trained on the whole batches, with the same optimizer.
     example = _example()
     batches, batch = 3, 64
-    done = _torchrun([str(ROOT / "examples" / "train_distributed.py"), "--dp", "2", "--data-parallel", mode,
+    done = torchrun([str(ROOT / "examples" / "train_distributed.py"), "--dp", "2", "--data-parallel", mode,
                       "--epochs", "1", "--batches", str(batches), "--batch", str(batch), "--chunks", "4",
                       "--timeline", str(tmp_path / "timeline.json"), "--save", str(tmp_path / "model.pt")],
                      ranks=4, timeout=300)
