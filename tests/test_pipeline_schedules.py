@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.test_pipeline import MODES, compare, model_for
-from tests.test_ties import assert_same_grads, lm_loss, tied_lm, tokens
+from tests.test_ties import lm_loss, tied_lm, train_beside_plain
 from torchpipe import Pipeline, trace
 from torchpipe.schedule import Kind
 
@@ -30,20 +30,7 @@ def test_a_tied_embedding_and_head_is_transparent_over_steps(schedule: str, chec
     model = tied_lm()
     plain = copy.deepcopy(model)
     pipe = Pipeline(model, [3, 2, 2, 3], chunks=4, schedule=schedule, loss_fn=lm_loss, checkpoint=checkpoint)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    reference = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for step in range(2):
-        x, y = tokens(batch=8, seed=step)
-        loss = pipe.step(x, y)
-        expected = lm_loss(plain(x), y)
-        expected.backward()
-        torch.testing.assert_close(loss, expected.detach())
-        assert_same_grads(pipe, plain)
-        optimizer.step()
-        reference.step()
-        optimizer.zero_grad()
-        reference.zero_grad()
-    torch.testing.assert_close(pipe.state_dict()["0.weight"], plain.state_dict()["0.weight"])
+    train_beside_plain(pipe, plain, lambda params: torch.optim.SGD(params, lr=0.1), steps=2, batch=8)
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])

@@ -31,6 +31,26 @@ def tokens(batch: int = 6, length: int = 5, seed: int = 1) -> Tuple[Tensor, Tens
             torch.randint(0, VOCAB, (batch, length), generator=generator))
 
 
+def train_beside_plain(
+    pipe: Pipeline, plain: nn.Module, optimizer: Any, *, steps: int, batch: int = 6
+) -> None:
+    """Trains ``pipe`` and ``plain`` on the same tokens, each with ``optimizer(parameters)``: every step's loss and
+    gradients equal, and the tied weight's value after the steps."""
+    ours, reference = optimizer(pipe.parameters()), optimizer(plain.parameters())
+    for step in range(steps):
+        x, y = tokens(batch=batch, seed=step)
+        loss = pipe.step(x, y)
+        expected = lm_loss(plain(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        assert_same_grads(pipe, plain)
+        ours.step()
+        reference.step()
+        ours.zero_grad()
+        reference.zero_grad()
+    torch.testing.assert_close(pipe.state_dict()["0.weight"], plain.state_dict()["0.weight"])
+
+
 def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
@@ -120,20 +140,7 @@ def test_pipeline_with_tied_weights_is_transparent_over_steps(schedule: str, sta
     model = tied_lm()
     plain = copy.deepcopy(model)
     pipe = pipeline(model, schedule, stages)
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
-    reference = torch.optim.Adam(plain.parameters(), lr=0.05)
-    for step in range(3):
-        x, y = tokens(seed=step)
-        loss = pipe.step(x, y)
-        expected = lm_loss(plain(x), y)
-        expected.backward()
-        torch.testing.assert_close(loss, expected.detach())
-        assert_same_grads(pipe, plain)
-        optimizer.step()
-        reference.step()
-        optimizer.zero_grad()
-        reference.zero_grad()
-    torch.testing.assert_close(pipe.state_dict()["0.weight"], plain.state_dict()["0.weight"])
+    train_beside_plain(pipe, plain, lambda params: torch.optim.Adam(params, lr=0.05), steps=3)
     keys = [k for k in pipe.state_dict() if k.endswith("weight")]
     assert keys[0] == "0.weight" and keys[-1] == f"{len(model) - 1}.weight", "every plain key of the tie"
 

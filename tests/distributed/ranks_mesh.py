@@ -33,6 +33,13 @@ def _compare(case: str, pipe: Pipeline, plain: nn.Module, problems: List[str], r
             problems.append(f"{case}: gradient of {name} differs by {(_full(param.grad) - want).abs().max()}")
 
 
+def drifted(case: str, pipe: Pipeline, plain: nn.Module) -> List[str]:
+    """The plain module's values this rank holds that its pipeline's no longer equal (after the same steps)."""
+    state = pipe.state_dict()
+    return [f"{case} {key} drifted from the plain module's" for key, value in plain.state_dict().items()
+            if key in state and not torch.allclose(state[key], value)]
+
+
 def _full(tensor: Tensor) -> Tensor:
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
@@ -70,10 +77,8 @@ def tied_across_ranks(rank: int, world: int) -> List[str]:
             reference.step()
             optimizer.zero_grad()
             reference.zero_grad()
+        problems += drifted(f"{schedule}: after 3 steps", pipe, plain)
         state = pipe.state_dict()
-        for key, value in plain.state_dict().items():
-            if key in state and not torch.allclose(state[key], value):
-                problems.append(f"{schedule}: after 3 steps {key} drifted from the plain module's")
         # The head's rank also holds its copy under the first holder's name, first (the name the optimizer's
         # state and DCP key it by, whatever the layout): docs/language_models.md, "State dicts".
         head = f"{len(model) - 1}.weight"

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tests.distributed.ranks import _differences, model_for, mse
-from tests.distributed.ranks_mesh import _compare, balance_for, mesh_of
+from tests.distributed.ranks_mesh import _compare, balance_for, drifted, mesh_of
 from tests.test_ties import lm_loss, tied_lm, tokens
 from torchpipe import Pipeline
 from torchpipe.schedule.auto import AutoTuner
@@ -74,10 +74,7 @@ def _tied(case: str, rank: int, world: int, make: Callable[[nn.Sequential], Pipe
         reference.step()
         optimizer.zero_grad()
         reference.zero_grad()
-    state = pipe.state_dict()
-    for key, value in plain.state_dict().items():
-        if key in state and not torch.allclose(state[key], value):
-            problems.append(f"{case} tied: after 2 steps {key} drifted from the plain module's")
+    problems += drifted(f"{case} tied: after 2 steps", pipe, plain)
     return problems
 
 
