@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -63,6 +63,8 @@ from benchmarks.harness.output import format_table, save_json  # noqa: E402
 from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
 from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
 from benchmarks.harness.timing import rotated  # noqa: E402
+from torchpipe.schedule import Kind, Schedule, simulate  # noqa: E402
+from torchpipe.schedule.auto import AutoTuner, Choice  # noqa: E402
 
 WORLD = 2
 LAYERS = 16
@@ -73,16 +75,21 @@ Config = Tuple[str, str]
 #: torchpipe's schedules and the same schedule in pipelining: compared round by round.
 RIVALS: Dict[Config, Config] = {
     ("torchpipe", ours): ("pipelining", theirs) for ours, theirs in [
-        ("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("looped_bfs", "ScheduleLoopedBFS"),
+        ("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("interleaved_1f1b", "ScheduleInterleaved1F1B"),
+        ("looped_bfs", "ScheduleLoopedBFS"),
         ("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
         ("dualpipev", "ScheduleDualPipeV"),
     ]
 }
-CONFIGS: List[Config] = [config for pair in RIVALS.items() for config in pair]
+#: torchpipe's configurations with no rival: its own zero-bubble schedule on two stages, and ``'auto'`` on two
+#: stages (it picks among 1f1b, zero_bubble and gpipe) and on four in a V (``'auto-4'``: zbv or dualpipev).
+OWN: List[Config] = [("torchpipe", "zero_bubble"), ("torchpipe", "auto"), ("torchpipe", "auto-4")]
+CONFIGS: List[Config] = [config for pair in RIVALS.items() for config in pair] + OWN
 #: The schedules that run two stages per rank (each a quarter of the model): on the loop (stage s on rank s % 2)
 #: or in the V (rank r holds stages r and 3 - r).
-LOOPED = {"looped_bfs", "ScheduleLoopedBFS", "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble"}
-V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV"}
+LOOPED = {"looped_bfs", "ScheduleLoopedBFS", "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble",
+          "interleaved_1f1b", "ScheduleInterleaved1F1B"}
+V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV", "auto-4"}
 #: Issue 18's goals: the fraction of the micro-batched ideal, per batch.
 GOALS = {256: 0.80, 1024: 0.90}
 HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine line", "goal", "vs pipelining",
@@ -91,6 +98,10 @@ HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine l
 FIXED_LAYERS, FIXED_WIDTH, FIXED_BATCH = 2, 8, 8
 #: The fixed cost's steps timed back to back in each round.
 FIXED_BURST = 10
+#: Fresh 'auto' pipelines measured after the rounds: the median of their costs is simulate's steadier model.
+LATER_MEASUREMENTS = 3
+#: A cost per (stage, kind) in seconds, and the time of a message between ranks.
+CostModel = Tuple[Callable[[int, Kind], float], float]
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -114,8 +125,8 @@ class Runner:
         if library == "torchpipe":
             import torchpipe
 
-            self.pipe = torchpipe.Pipeline(model, [size] * stages, chunks=CHUNKS, schedule=schedule, loss_fn=loss_fn,
-                                           group=dist.group.WORLD)
+            self.pipe = torchpipe.Pipeline(model, [size] * stages, chunks=CHUNKS, schedule=schedule.split("-")[0],
+                                           loss_fn=loss_fn, group=dist.group.WORLD)
             self.parameters = list(self.pipe.parameters())
             self.run = self._torchpipe
         else:
@@ -239,6 +250,21 @@ def rank_main(
             _name(config): {kind: [seconds / steps * 1e3, switches / steps] for kind, (seconds, switches) in
                             burst_cpu[config].items()} for config in configs
         }))
+    # simulate's cost models: what each 'auto' measured on its first step at set-up, and the median of what
+    # fresh ones measure on their first steps now, in warm processes (the model's error, less one step's noise).
+    first_costs: Dict[str, CostModel] = {}
+    later_costs: Dict[str, CostModel] = {}
+    for name in ("auto", "auto-4"):
+        config = ("torchpipe", name)
+        if config in runners:
+            first_costs[name] = _cost_model([_tuner(runners[config])])
+            fresh: List[AutoTuner] = []
+            for _ in range(LATER_MEASUREMENTS):
+                dist.barrier()
+                again = Runner(*config, rank, layers, width)
+                again.step(x, y)
+                fresh.append(_tuner(again))
+            later_costs[name] = _cost_model(fresh)
     if rank == 0:
         ideal = pipeline_ideal(WORLD, CHUNKS)
         two = statistics.median(two_processes)
@@ -256,14 +282,65 @@ def rank_main(
                 "pipe_ms": statistics.median(times) * 1e3, "first_step_s": first_step[config],
                 "pipe_burst_ms": statistics.median(burst_times[config]) * 1e3 if burst else None,
             }
+            runner = runners[config]
+            if config[0] == "torchpipe":
+                result["schedule"] = runner.pipe.schedule_name
+                if config[1].startswith("auto"):  # what it measured on its first step, and chose from
+                    tuner = _tuner(runner)
+                    result["measured_costs_ms"] = {f"{s}{kind.label}": cost * 1e3
+                                                   for (s, kind), cost in sorted(tuner.costs.items())}
+                    result["communication_ms"] = _chosen(tuner).communication * 1e3
+                for key, costs in (("predicted_ms", first_costs), ("predicted_later_ms", later_costs)):
+                    predicted = _predicted(runner.pipe.schedule, costs)
+                    if predicted is not None:
+                        result[key] = predicted * 1e3
             rival = RIVALS.get(config)
             if rival in pipe_times:  # the same schedule's steps in pipelining, round by round
                 result["vs_rival"] = _against(pipe_times[rival], times)
                 if burst:
                     result["burst_vs_rival"] = _against(burst_times[rival], burst_times[config])
             results[_name(config)] = result
+        for config in configs:  # 'auto' against each fixed schedule of torchpipe's, round by round
+            if config[0] == "torchpipe" and config[1].startswith("auto"):
+                results[_name(config)]["vs_fixed"] = {
+                    _name(fixed): _against(pipe_times[fixed], pipe_times[config]) for fixed in configs
+                    if fixed[0] == "torchpipe" and not fixed[1].startswith("auto")
+                }
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _tuner(runner: Runner) -> AutoTuner:
+    """An ``'auto'`` configuration's tuner, its choice made (a private attribute: this benchmark's only)."""
+    tuner = runner.pipe._tuner
+    assert isinstance(tuner, AutoTuner) and tuner.choice is not None, "'auto' chooses on its first step"
+    return tuner
+
+
+def _chosen(tuner: AutoTuner) -> Choice:
+    assert tuner.choice is not None
+    return tuner.choice
+
+
+def _cost_model(tuners: Sequence[AutoTuner]) -> CostModel:
+    """The median over ``tuners`` of each stage's measured cost of a kind, and of the calibrated time of a
+    message between ranks."""
+
+    def cost(stage: int, kind: Kind) -> float:
+        return statistics.median(tuner.cost(stage, kind) for tuner in tuners)
+
+    return cost, statistics.median(_chosen(tuner).communication for tuner in tuners)
+
+
+def _predicted(schedule: Schedule, costs: Mapping[str, CostModel]) -> Optional[float]:
+    """The step time (seconds) :func:`torchpipe.schedule.simulate` predicts for ``schedule`` from the costs
+    ``'auto'`` measured on stages of the same size (``'auto'`` on two stages for the schedules on two,
+    ``'auto-4'`` for those on four); None where that ``'auto'`` is not in the run."""
+    model = costs.get("auto" if schedule.stages == WORLD else "auto-4")
+    if model is None:
+        return None
+    cost, communication = model
+    return simulate(schedule, lambda a: cost(a.stage, a.kind), communication=communication).step_time
 
 
 def _against(rival: Sequence[float], ours: Sequence[float]) -> Dict[str, Any]:
@@ -310,6 +387,35 @@ def _versus(result: Dict[str, Any], key: str) -> str:
     return f"{against['ratio']:.3f} ({against['ahead']}/{against['rounds']})" if against else ""
 
 
+def _print_model(measured: Mapping[str, Dict[str, Any]], batch: int) -> None:
+    """How well :func:`torchpipe.schedule.simulate` predicted torchpipe's step times from the costs ``'auto'``
+    measured (the error per schedule, the two rankings), and ``'auto'`` against every fixed schedule."""
+    predicted = {name: r for name, r in measured.items()
+                 if "predicted_ms" in r and not name.startswith("torchpipe auto")}
+    if predicted:
+        table = [[name, r["schedule"], r["pipe_ms"], r["predicted_ms"], r["predicted_ms"] / r["pipe_ms"] - 1,
+                  r["predicted_later_ms"], r["predicted_later_ms"] / r["pipe_ms"] - 1] for name, r in predicted.items()]
+        print(format_table(["configuration", "ran", "measured ms", "simulated ms", "error", "later: simulated ms",
+                            "error"], table))
+
+        def order(key: str) -> str:
+            return ", ".join(n.split(" ", 1)[1] for n in sorted(predicted, key=lambda n: predicted[n][key]))
+
+        print(f"batch {batch}, fastest first: measured {order('pipe_ms')}; simulated {order('predicted_ms')}; "
+              f"later {order('predicted_later_ms')}. The largest error {max(abs(row[4]) for row in table):.1%}, "
+              f"later {max(abs(row[6]) for row in table):.1%}. (simulated: from the costs 'auto' measured on its "
+              "first step at set-up, on stages of the same size: F, B, I, W per stage and the calibrated time of "
+              f"a message; later: the median of {LATER_MEASUREMENTS} fresh 'auto' pipelines' first steps after "
+              "the rounds)")
+    for name, r in measured.items():
+        if "vs_fixed" in r:
+            best = min(r["vs_fixed"], key=lambda fixed: measured[fixed]["pipe_ms"])
+            against = r["vs_fixed"][best]
+            print(f"{name} (ran {r['schedule']}) against the fastest fixed schedule, {best}: its step "
+                  f"{1 / against['ratio']:.3f} of that one's (median over rounds; faster in {against['ahead']} of "
+                  f"{against['rounds']} rounds)")
+
+
 def _config(name: str) -> Config:
     library, _, schedule = name.partition(" ")
     config = (library, schedule)
@@ -351,6 +457,7 @@ def main() -> None:
                          GOALS.get(batch), _versus(result, "vs_rival"), result["pipe_ms"], result["plain_ms"],
                          result["hand_ms"], result["two_processes"], result["first_step_s"]])
         print(format_table(HEADERS, rows[-len(measured):]), flush=True)
+        _print_model(measured, batch)
     if len(args.batches) > 1:
         print()
         print(format_table(HEADERS, rows))

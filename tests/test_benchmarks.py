@@ -227,8 +227,16 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
     # The whole run's rows (its memory figures come from child processes, left out here).
     monkeypatch.setattr(schedules, "step_memory", lambda *args: 1)
     rows = {row["schedule"]: row for row in schedules.run("mlp", rounds=2, chunks=4)}
-    assert set(rows) == {"plain, 4 micro-batches by hand"} | {name for name, _, _ in schedules.CONFIGS}
+    assert set(rows) == ({"plain, 4 micro-batches by hand", schedules.GPIPE}
+                         | {name for name, _, _ in schedules.CONFIGS})
     assert rows["1f1b"]["vs_1f1b"] == 1.0 and rows["zero_bubble"]["vs_1f1b"] > 0
+    # Each schedule's machine line: the two bare threads' step times twice its ideal, from its simulated bubble;
+    # GPipe, which runs the 'gpipe' order, shares that schedule's.
+    for row in rows.values():
+        if "vs_line" in row:
+            assert row["ideal"] == pytest.approx(1 / (2 * (1 - row["simulated_bubble"]))) and row["vs_line"] > 0
+    assert rows[schedules.GPIPE]["ideal"] == rows["gpipe"]["ideal"]
+    assert rows["zbv (4 stages, V)"]["ideal"] < rows["gpipe"]["ideal"]
     by_hand = rows["plain, 4 micro-batches by hand"]
     assert by_hand["two_threads"] > 0 and by_hand["machine_line"] == by_hand["two_threads"] * 2 * (4 + 1) / 8
     assert all(row["split_stages"] == [] for name, row in rows.items() if name in ("gpipe", "1f1b"))
@@ -241,15 +249,27 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
         torch.set_num_threads(threads)
 
 
-def test_the_distributed_benchmark_measures_both_libraries_round_by_round() -> None:
+def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import distributed
 
     configs = [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B"), ("torchpipe", "gpipe"), ("torchpipe", "zbv"),
-               ("pipelining", "ScheduleZBVZeroBubble")]
+               ("pipelining", "ScheduleZBVZeroBubble"), ("torchpipe", "auto"), ("torchpipe", "auto-4")]
     assert set(configs) <= set(distributed.CONFIGS) and distributed.RIVALS[configs[0]] == configs[1]
     figures = distributed.measure(configs, batch=16, rounds=2, timeout=180, burst=2)
     assert set(figures) == {"torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe gpipe", "torchpipe zbv",
-                            "pipelining ScheduleZBVZeroBubble"}
+                            "pipelining ScheduleZBVZeroBubble", "torchpipe auto", "torchpipe auto-4"}
+    # 'auto' chose within its placement; every torchpipe schedule's step was predicted from the costs the 'auto'
+    # on stages of its size measured; 'auto' is compared with every fixed schedule round by round.
+    assert figures["torchpipe auto"]["schedule"] in ("1f1b", "zero_bubble", "gpipe")
+    assert figures["torchpipe auto-4"]["schedule"] in ("zbv", "dualpipev")
+    for name, result in figures.items():
+        assert (result.get("predicted_ms", 0) > 0) == name.startswith("torchpipe"), name
+        assert (result.get("predicted_later_ms", 0) > 0) == name.startswith("torchpipe"), name
+    assert figures["torchpipe auto"]["communication_ms"] >= 0 and figures["torchpipe auto"]["measured_costs_ms"]
+    assert set(figures["torchpipe auto-4"]["vs_fixed"]) == {"torchpipe 1f1b", "torchpipe gpipe", "torchpipe zbv"}
+    distributed._print_model(figures, 16)
+    printed = capsys.readouterr().out
+    assert "fastest first: measured" in printed and "torchpipe auto (ran " in printed
     assert "vs_rival" in figures["torchpipe zbv"], "the V's two stages per rank, beside pipelining's same class"
     for name, result in figures.items():
         assert result["speedup"] > 0 and result["plain_ms"] > 0 and result["pipe_ms"] > 0, name

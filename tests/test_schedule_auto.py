@@ -12,7 +12,7 @@ from tests.test_pipeline import model_for, mse
 from torchpipe import Pipeline
 from torchpipe.runtime.step import Timings
 from torchpipe.schedule import Action, Kind, build, simulate, validate
-from torchpipe.schedule.auto import AutoTuner, calibrate, choose, measuring_schedule, placement_names
+from torchpipe.schedule.auto import AutoTuner, calibrate, choose, measuring_schedule, placement_names, typical
 
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 PAPER = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
@@ -75,11 +75,21 @@ def test_the_measuring_schedule_is_valid_and_times_every_kind(m: int, workers: i
 
 def test_costs_not_measured_come_from_those_that_were() -> None:
     tuner = AutoTuner(2, 2, 4)
-    assert tuner.record({(0, F): [9.0, 1.0, 1.5], (0, B): [2.0], (1, F): [2.0], (1, BI): [1.0], (1, BW): [3.0]})
-    assert tuner.cost(0, F) == 1.0, "the least: the first action of a kind pays for what runs once"
+    assert tuner.record({(0, F): [9.0, 1.0, 1.4], (0, B): [2.0], (1, F): [2.0], (1, BI): [1.0], (1, BW): [3.0]})
+    assert tuner.cost(0, F) == 1.2, "the median after the first, which pays for what runs once"
     assert tuner.cost(0, BI) == tuner.cost(0, BW) == 1.0
     assert tuner.cost(1, B) == 4.0
     assert tuner.decided and not tuner.measuring
+
+
+def test_a_stages_cost_is_its_typical_action_not_its_luckiest() -> None:
+    # Issue 36's benchmark: with the least of each kind's times, the simulation predicted steps 13 to 30 % shorter
+    # than measured on 2 ranks at batch 1024; the first of a kind still pays for what runs once, and is left out.
+    assert typical([100.0, 3.0, 1.0, 2.0, 2.5]) == 2.25
+    assert typical([100.0, 3.0, 1.0, 2.0]) == 2.0
+    assert typical([100.0, 3.0]) == 3.0 and typical([4.0]) == 4.0
+    with pytest.raises(ValueError, match="at least one"):
+        typical([])
 
 
 def test_every_rank_decides_from_every_ranks_costs() -> None:
