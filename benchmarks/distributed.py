@@ -85,6 +85,8 @@ RIVALS: Dict[Config, Config] = {
 #: stages (it picks among 1f1b, zero_bubble and gpipe) and on four in a V (``'auto-4'``: zbv or dualpipev).
 OWN: List[Config] = [("torchpipe", "zero_bubble"), ("torchpipe", "auto"), ("torchpipe", "auto-4")]
 CONFIGS: List[Config] = [config for pair in RIVALS.items() for config in pair] + OWN
+#: The schedules each 'auto' chooses among: those of its balance's placement.
+PLACEMENTS = {"auto": {"1f1b", "zero_bubble", "gpipe"}, "auto-4": {"zbv", "dualpipev"}}
 #: The schedules that run two stages per rank (each a quarter of the model): on the loop (stage s on rank s % 2)
 #: or in the V (rank r holds stages r and 3 - r).
 LOOPED = {"looped_bfs", "ScheduleLoopedBFS", "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble",
@@ -409,11 +411,16 @@ def _print_model(measured: Mapping[str, Dict[str, Any]], batch: int) -> None:
               "the rounds)")
     for name, r in measured.items():
         if "vs_fixed" in r:
-            best = min(r["vs_fixed"], key=lambda fixed: measured[fixed]["pipe_ms"])
-            against = r["vs_fixed"][best]
-            print(f"{name} (ran {r['schedule']}) against the fastest fixed schedule, {best}: its step "
-                  f"{1 / against['ratio']:.3f} of that one's (median over rounds; faster in {against['ahead']} of "
-                  f"{against['rounds']} rounds)")
+            placed = PLACEMENTS[name.split(" ", 1)[1]]
+            for among, fixed in (("", list(r["vs_fixed"])), (" of its placement", [
+                    f for f in r["vs_fixed"] if f.split(" ", 1)[1] in placed])):
+                if not fixed:
+                    continue
+                best = min(fixed, key=lambda f: measured[f]["pipe_ms"])
+                against = r["vs_fixed"][best]
+                print(f"{name} (ran {r['schedule']}) against the fastest fixed schedule{among}, {best}: its step "
+                      f"{1 / against['ratio']:.3f} of that one's (median over rounds; faster in {against['ahead']} "
+                      f"of {against['rounds']} rounds)")
 
 
 def _config(name: str) -> Config:
