@@ -22,9 +22,10 @@ over 2 workers, ``chunks`` 8, it prints
 - each schedule's step over its *machine line*: the two bare threads' step of
   the same round times 2 times the schedule's ideal, ``1 / (2 (1 - bubble))``
   with the bubble :func:`~torchpipe.schedule.simulate` gives for the mean
-  cost per action kind measured on one of its steps (9/16 for GPipe's order with
-  a backward twice the forward; less for the interleaved, zero-bubble and V
-  schedules), the median over rounds;
+  cost per stage and action kind measured on one of its steps (9/16 for
+  GPipe's order on alike stages with a backward twice the forward; more here,
+  where the first stage's backward computes no input gradient; less for the
+  interleaved, zero-bubble and V schedules), the median over rounds;
 - ``torchpipe.GPipe`` on the same two stages without checkpointing, its loss
   on the whole output: Pipeline's ``'gpipe'`` beside the class that runs the
   same order.
@@ -132,23 +133,23 @@ def two_threads_step(name: str, chunks: int) -> Step:
 
 
 def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[float, float]:
-    """(simulated bubble with this step's measured mean cost per action kind, idle fraction measured).
+    """(simulated bubble with this step's measured mean cost per stage and action kind, idle fraction measured).
 
-    The simulation charges every stage a kind's mean over all stages (the MLP's stages are alike: a stage's
-    own mean would also charge it what running beside another stage's kind cost it, the contention the
-    machine line already accounts for)."""
+    Per stage: the stages are not alike even where their layers are. The first stage's backward computes no
+    input gradient (its input needs none), so it costs about two thirds of the others' on the MLP, and the
+    worker that holds the later stages sets the pace (GPipe's order on 2 stages: a bubble of 0.20, not 1/9)."""
     pipe.step(x, y)
     with trace.record_timeline() as timeline:
         pipe.step(x, y)
     for p in pipe.parameters():
         p.grad = None
     spans = [s for s in timeline.tasks() if s.action is not None]
-    costs: Dict[Kind, List[float]] = {}
+    costs: Dict[Tuple[int, Kind], List[float]] = {}
     for s in spans:
         assert s.action is not None
-        costs.setdefault(s.action.kind, []).append(s.duration)
-    mean = {kind: statistics.mean(values) for kind, values in costs.items()}
-    simulated = simulate(pipe.schedule, lambda a: mean[a.kind]).bubble
+        costs.setdefault((s.action.stage, s.action.kind), []).append(s.duration)
+    mean = {key: statistics.mean(values) for key, values in costs.items()}
+    simulated = simulate(pipe.schedule, lambda a: mean[(a.stage, a.kind)]).bubble
     start = min(s.start for s in spans)
     end = max(s.end for s in spans)
     busy = sum(s.duration for s in spans)
@@ -158,7 +159,7 @@ def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[fl
 
 def schedule_ideal(bubble: float, workers: int = 2) -> float:
     """A schedule's best step over the same work on one thread: ``1 / (workers (1 - bubble))`` (its simulated
-    bubble; 9/16 for GPipe's or 1F1B's 8 micro-batches on 2 stages with a backward twice the forward)."""
+    bubble; 9/16 for GPipe's or 1F1B's 8 micro-batches on 2 alike stages with a backward twice the forward)."""
     return 1.0 / (workers * (1.0 - bubble))
 
 
