@@ -83,7 +83,7 @@ def test_costs_not_measured_come_from_those_that_were() -> None:
 
 
 def test_a_stages_cost_is_its_typical_action_not_its_luckiest() -> None:
-    # Issue 36's benchmark: with the least of each kind's times, the simulation predicted steps 13 to 30 % shorter
+    # Issue 36's benchmark: with the least of each kind's times, the simulation predicted steps 13 to 31 % shorter
     # than measured on 2 ranks at batch 1024; the first of a kind still pays for what runs once, and is left out.
     assert typical([100.0, 3.0, 1.0, 2.0, 2.5]) == 2.25
     assert typical([100.0, 3.0, 1.0, 2.0]) == 2.0
