@@ -139,6 +139,8 @@ def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[fl
     input gradient (its input needs none), so it costs about two thirds of the others' on the MLP, and the
     worker that holds the later stages sets the pace (GPipe's order on 2 stages: a bubble of 0.20, not 1/9)."""
     pipe.step(x, y)
+    # The schedule the timed step runs: a zero-bubble placement still being decided may change after it.
+    schedule = pipe.schedule
     with trace.record_timeline() as timeline:
         pipe.step(x, y)
     for p in pipe.parameters():
@@ -149,11 +151,11 @@ def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[fl
         assert s.action is not None
         costs.setdefault((s.action.stage, s.action.kind), []).append(s.duration)
     mean = {key: statistics.mean(values) for key, values in costs.items()}
-    simulated = simulate(pipe.schedule, lambda a: mean[(a.stage, a.kind)]).bubble
+    simulated = simulate(schedule, lambda a: mean[(a.stage, a.kind)]).bubble
     start = min(s.start for s in spans)
     end = max(s.end for s in spans)
     busy = sum(s.duration for s in spans)
-    workers = pipe.schedule.num_workers
+    workers = schedule.num_workers
     return simulated, 1.0 - busy / (workers * (end - start))
 
 
