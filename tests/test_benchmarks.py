@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ HARNESS = ["harness", "harness.machine", "harness.steps", "harness.timing", "har
            "harness.processes", "harness.output"]
 MODULES = HARNESS + ["models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
                      "data_parallel", "language_model", "lm_pipeline", "mesh", "gpu_check", "gpu_sections",
-                     "gpu_report"]
+                     "gpu_report", "split_backward"]
 
 
 def has(module: str) -> bool:
@@ -390,3 +390,24 @@ def test_the_mesh_benchmark_measures_every_layout(capsys: pytest.CaptureFixture[
     for name in ("dp 2 x pp 1, replicate", "dp 2 x pp 1, shard"):
         assert 0 < reduction[name]["exposed_s"] <= reduction[name]["reduce_s"] <= reduction[name]["step_s"], reduction
     assert "exposed reduce / step" in capsys.readouterr().out
+
+
+def test_the_split_backward_benchmark_times_backwards_that_agree() -> None:
+    """Every backward it times gives the one backward's parameter gradients (checked before it times them), and a
+    backward that does not is refused: a timing of different work would mean nothing."""
+    from benchmarks import split_backward
+
+    result = split_backward.run(rounds=2, layers=2, batch=4)
+    names = {name for name, _ in split_backward.backwards()}
+    assert {split_backward.ONE, split_backward.SPLIT, "one backward, graph kept"} <= names
+    assert set(result["ratios"]) == names == set(result["backward_ms"])
+    assert all(ratio > 0 for ratio in result["ratios"].values())
+    assert (result["vs_anchor"] is None) == (split_backward.ANCHOR not in names)
+
+    def halved(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, params: Any) -> None:
+        torch.autograd.backward([out], [grad / 2])
+
+    module, x, grad = split_backward.stage(2, 4, width=8)
+    with pytest.raises(AssertionError, match="'halved' gives other parameter gradients"):
+        split_backward.check_gradients(module, x, grad, [(split_backward.ONE, split_backward.one_backward),
+                                                         ("halved", halved)])

@@ -117,3 +117,61 @@ def test_a_tensor_from_outside_the_module_gets_its_gradient_in_w() -> None:
     backward_weight(state)
     expected = ((1 - out.detach() ** 2) * leaf.detach()).sum(0)
     assert torch.allclose(outside.grad, expected)
+
+
+def test_w_runs_the_engine_without_autograd_backwards_python_checks(monkeypatch: Any) -> None:
+    """W makes one engine run per parameter group (a chain of 8 linears: 8 runs). Its seeds are the gradients the
+    engine itself delivered in I, so where PyTorch exposes the engine's entry (2.3 and later) W calls it directly,
+    without ``torch.autograd.backward``'s Python checks: 5 to 11 % of a stage's split backward (benchmarks/README.md,
+    sixteenth session). Both ways give the plain backward's gradients, and on this PyTorch the direct one is taken."""
+    from torchpipe.runtime import weight_grad
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(6, 6), nn.ReLU())])
+
+    def build(x: Tensor) -> Any:
+        layers.zero_grad(set_to_none=True)
+        return layers, [layers(x)]
+
+    x = torch.randn(5, 6)
+    want, want_x = reference(build, x)
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.4":
+        assert weight_grad._engine_run_backward is not None, "PyTorch moved the engine's entry: W lost its fast path"
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("W went through torch.autograd.backward")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.autograd, "backward", refuse)
+        got, got_x, _ = split(build, x)
+    assert torch.allclose(got_x, want_x) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+
+    monkeypatch.setattr(weight_grad, "_engine_run_backward", None)  # an older PyTorch: the public call
+    got, got_x, _ = split(build, x)
+    assert torch.allclose(got_x, want_x) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+
+
+def test_w_runs_the_groups_newest_capture_first() -> None:
+    """I reaches the first layer's intermediate last, so its gradient and input are the ones still in the CPU's
+    caches when W starts: W begins there and climbs (3 to 7 % of a stage's split backward on the schedules
+    benchmark's MLP, benchmarks/split_backward.py). The order changes no sum: each group has its own parameters."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.ReLU())])
+    linears = [m for m in layers if isinstance(m, nn.Linear)]
+    order: List[int] = []
+    handles = [lin.weight.register_post_accumulate_grad_hook(lambda p, k=k: order.append(k))
+               for k, lin in enumerate(linears)]
+
+    def build(x: Tensor) -> Any:
+        layers.zero_grad(set_to_none=True)
+        return layers, [layers(x)]
+
+    x = torch.randn(5, 6)
+    want, want_x = reference(build, x)
+    assert order == [3, 2, 1, 0]  # the one backward: last layer first
+    order.clear()
+    got, got_x, _ = split(build, x)
+    for handle in handles:
+        handle.remove()
+    assert order == [0, 1, 2, 3]
+    assert torch.allclose(got_x, want_x) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
