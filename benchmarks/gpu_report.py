@@ -59,6 +59,13 @@ def schedules_table(results: Mapping[str, Any]) -> List[str]:
                              [[name, number(c["loss"], 6), number(c["plain_loss"], 6), scientific(c["loss_rel_diff"]),
                                scientific(c["grad_max_rel_err"])]
                               for name, c in checks.items()])]
+    split = results.get("split_backward")
+    if split:
+        lines += ["", f"One zbv stage's backward ({split['layers']} blocks {split['width']} wide, micro-batch "
+                      f"{split['batch']}, forward subtracted; median over {split['rounds']} rounds):", ""]
+        lines += table(["backward", "ms", "/ one backward"],
+                       [[name, number(split["backward_ms"][name]), number(ratio)]
+                        for name, ratio in split["ratios"].items()])
     return lines
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchpipe
-from benchmarks import models
+from benchmarks import models, split_backward
 from benchmarks.harness import ROOT
 from benchmarks.harness.machine import cores
 from benchmarks.harness.memory import step_peak_bytes
@@ -376,6 +376,8 @@ def release(device: torch.device) -> None:
 
 #: Stages per worker of a built-in schedule (the others: one), for two workers: two on the loop and in the V.
 STAGES_PER_WORKER = {name: 2 for name in LOOPED + V_SHAPED}
+#: The split backward's rounds, per round of the sizes' (a stage's backward is short: many rounds fit).
+SPLIT_BACKWARD_ROUNDS = 20
 
 
 def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: Tensor, loss: float,
@@ -434,6 +436,14 @@ def run_schedules(child: Child) -> None:
         {"schedule": name, "stages": checks[name]["stages"] if name in checks else 1,
          **measured.row(name, BY_HAND if name not in (PLAIN, BY_HAND) else None)}
         for name in steps if name in measured]
+    child.save()
+    release(child.device)
+    # One zbv stage's split backward against its one backward (benchmarks/split_backward.py): on a CPU it costs
+    # 1.14 to 1.19 of it, and that is what zbv lacks against its machine line there.
+    stage_layers = max(1, layers // 4)
+    child.results["split_backward"] = child.attempt("split backward", functools.partial(
+        split_backward.run, SPLIT_BACKWARD_ROUNDS * child.sizes.rounds, stage_layers, max(1, batch // CHUNKS), width,
+        child.device, quiet=True))
     child.save()
 
 

@@ -89,6 +89,11 @@ def test_the_dry_run_writes_a_report_with_every_section_and_its_figures(tmp_path
         assert check["loss_rel_diff"] <= gpu_sections.FLOAT32_RTOL, (name, check)
         assert check["grad_max_rel_err"] is not None and check["grad_max_rel_err"] <= gpu_sections.FLOAT32_RTOL
         assert check["stages"] == (4 if name in LOOPED + V_SHAPED else 2), "two stages per worker there"
+    # ... and one zbv stage's split backward against its one backward (where zbv's CPU time goes, asked of a GPU).
+    split = results["split_backward"]
+    assert {"one backward", "split", "pipelining"} <= set(split["ratios"]) and split["ratios"]["one backward"] == 1
+    assert all(math.isfinite(ratio) for ratio in split["ratios"].values())
+    assert "One zbv stage's backward" in (out / "report.md").read_text()
 
     # 4. GPT-2 and Llama: within the bf16 tolerances, in bf16 indeed (the plain model's gradients are not float32's),
     # and both tokens/s.
