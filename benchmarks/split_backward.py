@@ -72,9 +72,11 @@ def one_backward_kept(out: Tensor, grad: Tensor, x: Tensor, params: Sequence[nn.
     torch.autograd.backward([out], [grad], retain_graph=True)
 
 
-def split(out: Tensor, grad: Tensor, x: Tensor, params: Sequence[nn.Parameter]) -> None:
+def split(out: Tensor, grad: Tensor, x: Tensor, params: Sequence[nn.Parameter], oldest_first: bool = False) -> None:
     _, state = weight_grad.backward_input([out], [grad], [x])
     assert state is not None
+    if oldest_first:  # W's groups in the order I captured them, as before the sixteenth session
+        state.groups.reverse()
     weight_grad.backward_weight(state)
 
 
@@ -82,11 +84,7 @@ def split_public(out: Tensor, grad: Tensor, x: Tensor, params: Sequence[nn.Param
                  oldest_first: bool = False) -> None:
     entry, weight_grad._engine_run_backward = weight_grad._engine_run_backward, None
     try:
-        _, state = weight_grad.backward_input([out], [grad], [x])
-        assert state is not None
-        if oldest_first:
-            state.groups.reverse()
-        weight_grad.backward_weight(state)
+        split(out, grad, x, params, oldest_first)
     finally:
         weight_grad._engine_run_backward = entry
 

@@ -180,13 +180,8 @@ def _capture(group: _Group, node: Any, fired: List[_Group]) -> Any:
 
 def _newest_first(groups: List[_Group], fired: List[_Group]) -> List[_Group]:
     """``groups`` by their last capture, newest first; those ``I`` captured nothing for (an output's own) last."""
-    order: List[_Group] = []
-    seen: Set[int] = set()
-    for group in reversed(fired):
-        if id(group) not in seen:
-            seen.add(id(group))
-            order.append(group)
-    return order + [group for group in groups if id(group) not in seen]
+    order = list(dict.fromkeys(reversed(fired)))  # a group's first place from the end: its newest capture
+    return order + [group for group in groups if group not in order]
 
 
 def _pin(captured: Tuple[Optional[Tensor], ...]) -> Any:
