@@ -28,7 +28,7 @@ from torchpipe.runtime import Runner, Stages, local, weight_grad
 from torchpipe.runtime.step import Timings
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.runtime.tune import SplitTuner
-from torchpipe.schedule import SPLITTING, Schedule, build
+from torchpipe.schedule import SPLITTING, Schedule
 from torchpipe.schedule.auto import AutoTuner
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
@@ -154,11 +154,8 @@ class Pipeline(Pipelined):
             self._tuner = AutoTuner(len(balance), workers, chunks, splitting=weight_grad.supported())
             schedule_for = self._tuner.plan
         if schedule == "zero_bubble":
-            tuner = self._tuner = SplitTuner(len(balance))
-            stages_count = len(balance)
-
-            def schedule_for(microbatches: int) -> Schedule:
-                return build("zero_bubble", microbatches, stages_count, split=tuner.split)
+            self._tuner = SplitTuner(len(balance))
+            schedule_for = self._tuner.plan
         stage_workers = list(schedule_for(chunks).stage_workers)
         self._channel: Optional[Channel] = None
         if group is None:

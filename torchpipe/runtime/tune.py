@@ -35,7 +35,7 @@ import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
 from torchpipe.runtime.step import Timings
-from torchpipe.schedule import Kind, choose_split
+from torchpipe.schedule import Kind, Schedule, choose_split, merge_backwards, zero_bubble
 
 __all__ = ["SplitTuner", "Timings", "TRIAL_STEPS", "TRIAL_MARGIN", "TUNING_STEPS"]
 
@@ -130,6 +130,15 @@ class SplitTuner:
         else:
             self.split = none if self.split == self.candidate else self.candidate
         return self.split != before
+
+    def plan(self, microbatches: int) -> Schedule:
+        """The schedule of a step of ``microbatches`` with the split in use; once the costs are measured, each
+        split backward whose ``W`` fills no gap at those costs made whole
+        (:func:`~torchpipe.schedule.merge_backwards`); while they are measured, as it is."""
+        schedule = zero_bubble(microbatches, self.stages, self.split)
+        if self.measuring:
+            return schedule
+        return merge_backwards(schedule, lambda action: self._cost(action.stage, action.kind))
 
     def _cost(self, stage: int, kind: Kind) -> float:
         cost = self.costs.get((stage, kind))

@@ -10,6 +10,8 @@ generators (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`,
 and the V-shaped :func:`zbv` and :func:`dualpipe_v`) are pure, :func:`validate` lists every problem of a
 schedule (custom ones included), and :func:`simulate` gives the step time
 and bubble fraction for given action costs, before anything runs.
+:func:`merge_backwards` makes whole again each split backward whose ``W``
+fills no gap, as a Pipeline runs the named schedules.
 
 Example::
 
@@ -39,12 +41,13 @@ from torchpipe.schedule.generate import (
     with_recomputation,
     zero_bubble,
 )
+from torchpipe.schedule.merge import merge_backwards
 from torchpipe.schedule.vshape import dualpipe_v, v_stage_workers, zbv
 
 __all__ = [
     "Kind", "Action", "ActionLike", "Schedule", "parse",  # the data
     "dependencies", "validate", "simulate", "Simulation", "clock_cycles", "Costs", "DEFAULT_COSTS",  # the checks
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble", "looped_bfs", "interleaved_zero_bubble",  # generators
-    "zbv", "dualpipe_v", "v_stage_workers", "with_recomputation", "choose_split", "build",
+    "zbv", "dualpipe_v", "v_stage_workers", "with_recomputation", "choose_split", "build", "merge_backwards",
     "NAMES", "LOOPED", "V_SHAPED", "SPLITTING",  # the names Pipeline(schedule=...) takes, by placement
 ]

@@ -22,7 +22,9 @@ included, in that span), and the choice charges it to every hop. From
 these costs :func:`choose`
 simulates every built-in schedule of the placement (the stages are placed
 on the workers, or ranks, once: the schedules that share one map; for two
-stages per worker the V's) and keeps the fastest
+stages per worker the V's), each as it would run, its split backwards whose
+``W`` fills no gap at these costs made whole
+(:func:`~torchpipe.schedule.merge_backwards`), and keeps the fastest
 whose busiest worker holds no more (stage, micro-batch) pairs
 (:attr:`Simulation.peak_activations`) than 1F1B's busiest would: 1F1B on
 the same workers, each running its stages as one, holds as many of these
@@ -36,11 +38,11 @@ its size (each hop is charged the same), split graphs that live longer.
 """
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
-from torchpipe.schedule.check import simulate
+from torchpipe.schedule.check import cost_function, simulate
 from torchpipe.schedule.generate import (
     SPLITTING,
     build,
@@ -49,6 +51,7 @@ from torchpipe.schedule.generate import (
     with_recomputation,
     zero_bubble,
 )
+from torchpipe.schedule.merge import merge_backwards
 from torchpipe.schedule.vshape import zbv
 
 __all__ = ["Choice", "choose", "calibrate", "candidates", "placement_names", "measuring_schedule", "typical",
@@ -90,10 +93,14 @@ def candidates(stages: int, workers: int, *, splitting: bool = True) -> List[str
     return names
 
 
-def _build(name: str, microbatches: int, stages: int, workers: int, split: Optional[List[bool]]) -> Schedule:
+def _build(name: str, microbatches: int, stages: int, workers: int, split: Optional[List[bool]],
+           costs: Callable[[Action], float], communication: float) -> Schedule:
+    """The named schedule as it runs: each split backward whose ``W`` fills no gap at ``costs`` made whole."""
     if name == "dualpipev" and microbatches < 2 * workers:
-        return build(name, 2 * workers, stages, workers).restricted(microbatches)
-    return build(name, microbatches, stages, workers, split if name == "zero_bubble" else None)
+        schedule = build(name, 2 * workers, stages, workers).restricted(microbatches)
+    else:
+        schedule = build(name, microbatches, stages, workers, split if name == "zero_bubble" else None)
+    return merge_backwards(schedule, costs, communication=communication)
 
 
 @dataclass(frozen=True)
@@ -110,10 +117,13 @@ class Choice:
     limit: int
     #: The time a message takes between workers that the simulations charged (see :func:`calibrate`).
     communication: float = 0.0
+    #: The measured costs it chose by, per action (the default costs where None).
+    costs: Optional[Callable[[Action], float]] = field(default=None, repr=False, compare=False)
 
     def build(self, microbatches: int, stages: int, workers: int) -> Schedule:
-        """The chosen schedule for ``microbatches``."""
-        return _build(self.name, microbatches, stages, workers, self.split)
+        """The chosen schedule for ``microbatches``, as it runs (see :func:`choose`)."""
+        return _build(self.name, microbatches, stages, workers, self.split, self.costs or cost_function(None),
+                      self.communication)
 
 
 def choose(
@@ -135,10 +145,13 @@ def choose(
     limit = stages
     table: List[Tuple[str, float, int]] = []
     split: Optional[List[bool]] = None
+    def cost(action: Action) -> float:
+        return costs(action.stage, action.kind)
+
     for name in candidates(stages, workers, splitting=splitting):
         if name == "zero_bubble":
             split = choose_split(microbatches, stages, costs)
-        run = simulate(_build(name, microbatches, stages, workers, split), lambda a: costs(a.stage, a.kind),
+        run = simulate(_build(name, microbatches, stages, workers, split, cost, communication), cost,
                        communication=communication)
         table.append((name, run.step_time, max(run.peak_activations)))
     fitting = [row for row in table if row[2] <= limit]
@@ -146,7 +159,7 @@ def choose(
         best = min(fitting, key=lambda row: row[1])  # the first of equal steps: the list's preference
     else:
         best = min(table, key=lambda row: (row[2], row[1]))
-    return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication)
+    return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication, cost)
 
 
 def calibrate(schedule: Schedule, costs: Callable[[Action], float], span: float) -> float:

@@ -225,17 +225,28 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
         >>> round(simulate(gpipe(8, 4), {Kind.FORWARD: 1, Kind.BACKWARD: 1}).bubble, 4)  # (p-1)/(m+p-1)
         0.2727
     """
+    cost = cost_function(costs)
+    return play(schedule, lambda action, begin: cost(action), communication)
+
+
+def cost_function(costs: Optional[Costs]) -> Callable[[Action], float]:
+    """``costs`` as a function of the action (:data:`DEFAULT_COSTS` for None; a kind a mapping lacks costs 1)."""
     if costs is None:
         costs = DEFAULT_COSTS
-    cost: Callable[[Action], float]
     if callable(costs):
-        cost = costs
-    else:
-        table = dict(costs)
+        return costs
+    table = dict(costs)
 
-        def cost(action: Action) -> float:
-            return float(table.get(action.kind, 1.0))
+    def cost(action: Action) -> float:
+        return float(table.get(action.kind, 1.0))
 
+    return cost
+
+
+def play(schedule: Schedule, duration_of: Callable[[Action, float], float], communication: float = 0.0) -> Simulation:
+    """:func:`simulate`'s list scheduling, each action's duration asked for as it starts: ``duration_of(action,
+    begin)``, called once per action, in an order where each action comes after every action it waits for
+    (the same action's worker predecessor and its :func:`dependencies`)."""
     present = frozenset(schedule.actions())
     worker_of = {a: w for w, actions in enumerate(schedule.workers) for a in actions}
     start: Dict[Action, float] = {}
@@ -258,7 +269,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
                     break
                 ready = max((end[d] + (communication if worker_of[d] != w else 0.0) for d in deps), default=0.0)
                 begin = max(free[w], ready)
-                duration = cost(action)
+                duration = float(duration_of(action, begin))
                 start[action], end[action] = begin, begin + duration
                 free[w] = begin + duration
                 busy[w] += duration

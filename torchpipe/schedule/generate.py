@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import dependencies, simulate
+from torchpipe.schedule.merge import merge_backwards
 from torchpipe.schedule.vshape import dualpipe_v, zbv
 
 __all__ = [
@@ -372,12 +373,13 @@ def choose_split(microbatches: int, stages: int, costs: Callable[[int, Kind], fl
     may: ``W`` starts the autograd engine anew per weight). ``costs(stage,
     kind)`` gives each action's duration (``F``, ``B``, ``I``, ``W``); the
     answer is the split whose simulated step is shortest, found greedily from
-    none (1F1B): a stage is split only if that shortens the step. Pure:
+    none (1F1B): a stage is split only if that shortens the step, each split simulated as it runs, its
+    backwards whose ``W`` fills no gap made whole (:func:`~torchpipe.schedule.merge_backwards`). Pure:
     the same costs give the same answer.
     """
     def step_time(split: List[bool]) -> float:
-        schedule = zero_bubble(microbatches, stages, split)
-        return simulate(schedule, lambda a: costs(a.stage, a.kind)).step_time
+        cost = lambda a: costs(a.stage, a.kind)  # noqa: E731
+        return simulate(merge_backwards(zero_bubble(microbatches, stages, split), cost), cost).step_time
 
     split = [False] * stages
     best = step_time(split)

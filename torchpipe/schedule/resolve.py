@@ -7,6 +7,7 @@ from torchpipe.schedule.actions import ActionLike, Kind, Schedule
 from torchpipe.schedule.auto import measuring_schedule, placement_names
 from torchpipe.schedule.check import validate
 from torchpipe.schedule.generate import LOOPED, NAMES, V_SHAPED, build
+from torchpipe.schedule.merge import merge_backwards
 from torchpipe.types import Device
 
 __all__ = ["ScheduleLike", "resolve"]
@@ -19,6 +20,9 @@ def resolve(
     schedule: ScheduleLike, chunks: int, stages: int, devices: Optional[Sequence[Device]], ranks: Optional[int]
 ) -> Tuple[Callable[[int], Schedule], int]:
     """The schedule for each number of micro-batches, and the number of workers; validated for ``chunks``.
+
+    A named schedule runs with each split backward whose ``W`` fills no gap made whole
+    (:func:`~torchpipe.schedule.merge_backwards`, with the default costs); a custom one runs as it is.
 
     The workers of the loop-placed names (:data:`~torchpipe.schedule.LOOPED`): one per rank across processes
     (``ranks``), else one per entry of ``devices``, else one per two stages; of the V-shaped ones
@@ -51,8 +55,9 @@ def resolve(
         def plan(microbatches: int) -> Schedule:
             if name == "dualpipev" and microbatches < 2 * workers:
                 # A smaller batch's step: the order for 2W micro-batches without the missing ones' actions.
-                return build(name, 2 * workers, stages, workers).restricted(microbatches)
-            return build(name, microbatches, stages, workers)
+                return merge_backwards(build(name, 2 * workers, stages, workers).restricted(microbatches))
+            # A split backward whose W fills no gap runs whole ([Note: merging backwards]).
+            return merge_backwards(build(name, microbatches, stages, workers))
 
         validate(plan(chunks))
         return plan, workers

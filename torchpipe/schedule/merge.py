@@ -1,0 +1,187 @@
+"""Whole backwards where a split one buys nothing: :func:`merge_backwards`.
+
+A split backward (``I`` now, ``W`` later) pays only where ``W`` fills time
+the worker would otherwise idle. Elsewhere it costs: the two halves run two
+passes of the autograd engine over a kept graph, and on this project's CPU
+they take 1.14 to 1.19 times the whole backward (``benchmarks/split_backward.py``).
+The zero-bubble generators split every backward, because they place the
+``W`` s before they know which ones will fill a bubble; this pass makes whole
+again (``B`` where the ``I`` was, its ``W`` gone) each one that need not be
+split.
+
+[Note: merging backwards] The test is the simulation's, in one forward pass.
+First the schedule is simulated with the given costs (step ``T``), and each
+action's latest start that keeps the step within ``T`` is found backwards
+(``latest``: a longest-path pass over the same dependencies and worker
+orders). Then the schedule is played again in virtual time; when an ``I``
+starts, at ``begin``, it is made whole if the whole backward would end in
+time for everything that comes after it: ``begin + cost(B)`` (plus a message
+where the next action is on another worker) is at most the latest start of
+the worker's next action (its ``W`` left out) and of each action waiting for
+its input gradient, and at most ``T``. A whole backward then runs for
+``cost(B)`` and its ``W`` for nothing.
+
+Why this never lengthens the step: every action of the new schedule starts
+no later than its latest start. By induction in the order the play starts
+them: an action's start is the latest end (plus messages) of what it waits
+for, and each of those, at the latest, ends in time for it, by the latest
+starts' definition, unchanged for the actions kept as they were, tested for
+each whole backward, and for the action after a removed ``W`` earlier than
+before. And never more memory: a ``W`` only moves earlier in its worker's
+list, so each (stage, micro-batch) is held until an earlier point of the
+same order (:attr:`~torchpipe.schedule.Simulation.peak_activations`).
+
+With the default costs, where ``B`` costs ``I + W``, a backward is merged
+only where the split bought nothing in the model, and the merged schedule's
+step is the same; where the machine's ``B`` costs less than ``I + W``, the
+step is shorter by the difference, for every merged one.
+"""
+from typing import Callable, Dict, List, Optional, Set
+
+from torchpipe.schedule.actions import Action, Kind, Schedule
+from torchpipe.schedule.check import Costs, cost_function, dependencies, play, simulate
+
+__all__ = ["merge_backwards"]
+
+#: A little room for floating-point sums of costs compared to each other.
+_EPSILON = 1e-9
+
+
+def merge_backwards(schedule: Schedule, costs: Optional[Costs] = None, *, communication: float = 0.0) -> Schedule:
+    """``schedule`` with each split backward made whole where that delays nothing (see [Note: merging backwards]).
+
+    Each ``sIi`` whose whole backward ``sBi`` would still end in time for
+    every action after it becomes ``sBi`` in its place, and ``sWi`` goes.
+    With ``costs`` and ``communication`` as for :func:`simulate` (default:
+    :data:`DEFAULT_COSTS`, where ``B`` costs ``I + W``), the result's
+    simulated step is never longer than the schedule's and no worker's
+    :attr:`~Simulation.peak_activations` higher. Given ``costs``, the test
+    is made with them and with the default ones, and the result is the one
+    whose step is shorter at ``costs`` (the test is greedy: it may merge
+    more, and better, with ``B`` at ``I + W``). A schedule with no split
+    backward is returned as it is; the name stays. Pure: the same schedule
+    and costs give the same result, on every rank.
+
+    Example: zero-bubble's first worker has no bubble for a ``W`` to fill;
+    the second's fill its gaps, and at the end let the gradient of its last
+    ``I`` reach the first worker sooner::
+
+        >>> from torchpipe.schedule import zero_bubble
+        >>> print(zero_bubble(4, 2))
+        worker 0: 0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3
+        worker 1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3
+        >>> print(merge_backwards(zero_bubble(4, 2)))
+        worker 0: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3
+        worker 1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3
+    """
+    if not any(a.kind is Kind.BACKWARD_INPUT for a in schedule.actions()):
+        return schedule
+    merged = _merge(schedule, cost_function(costs), communication)
+    if costs is None:
+        return merged
+    # The test is greedy, and the one with the default costs (B = I + W) may merge more that shortens the step
+    # for these costs too: the shorter of the two for these costs, tested, as the note says, at these costs.
+    other = _merge(schedule, cost_function(None), communication)
+    if simulate(other, costs, communication=communication).step_time < simulate(
+            merged, costs, communication=communication).step_time - _EPSILON:
+        return other
+    return merged
+
+
+def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: float) -> Schedule:
+    step = simulate(schedule, cost, communication=communication).step_time
+    worker_of = {a: w for w, actions in enumerate(schedule.workers) for a in actions}
+    position = {a: k for actions in schedule.workers for k, a in enumerate(actions)}
+    waiting = _waiting(schedule)
+
+    def hop(a: Action, b: Action) -> float:
+        return communication if worker_of[a] != worker_of[b] else 0.0
+
+    deadline = _latest_starts(schedule, step, cost, hop, waiting)
+    whole: Set[Action] = set()
+
+    def gone(action: Action) -> bool:
+        return action.kind is Kind.BACKWARD_WEIGHT and _input_half(action) in whole
+
+    def duration(action: Action, begin: float) -> float:
+        if action.kind is not Kind.BACKWARD_INPUT:
+            return 0.0 if gone(action) else cost(action)
+        merged, weight = Action(action.stage, Kind.BACKWARD, action.microbatch), _weight_half(action)
+        end = begin + cost(merged)
+        if end > step + _EPSILON or any(end + hop(action, b) > deadline[b] + _EPSILON
+                                        for b in waiting[action] if b != weight):
+            return cost(action)
+        actions = schedule.workers[worker_of[action]]
+        between = [a for a in actions[position[action] + 1 : position[weight]] if not gone(a)]
+        beyond = next((a for a in actions[position[weight] + 1 :] if not gone(a)), None)
+        # The latest starts of the actions between, now that they run before the W's time is gone.
+        last = later = step if beyond is None else deadline[beyond]
+        relaxed: List[float] = []
+        for a in reversed(between):
+            later = min([later] + [deadline[b] - hop(a, b) for b in waiting[a]]) - cost(a)
+            relaxed.append(later)
+        relaxed.reverse()
+        # Each starts after the whole backward, or when what it waits for is ready: by its old latest start.
+        at = end
+        for a, bound in zip(between, relaxed):
+            at = max(at, deadline[a])
+            if at > bound + _EPSILON:
+                return cost(action)
+            at += cost(a)
+        if at > last + _EPSILON:
+            return cost(action)
+        whole.add(action)
+        for a, bound in zip(between, relaxed):
+            deadline[a] = max(deadline[a], bound)
+        return cost(merged)
+
+    play(schedule, duration, communication)
+    lists = [[Action(a.stage, Kind.BACKWARD, a.microbatch) if a in whole else a for a in actions if not gone(a)]
+             for actions in schedule.workers]
+    return Schedule(tuple(tuple(a) for a in lists), schedule.stage_workers, schedule.microbatches, schedule.name)
+
+
+def _input_half(weight: Action) -> Action:
+    return Action(weight.stage, Kind.BACKWARD_INPUT, weight.microbatch)
+
+
+def _weight_half(inputs: Action) -> Action:
+    return Action(inputs.stage, Kind.BACKWARD_WEIGHT, inputs.microbatch)
+
+
+def _waiting(schedule: Schedule) -> Dict[Action, List[Action]]:
+    """Per action, the actions that wait for it (its :func:`dependencies` turned around)."""
+    present = frozenset(schedule.actions())
+    waiting: Dict[Action, List[Action]] = {a: [] for a in present}
+    for b in present:
+        for a in dependencies(b, schedule.stages, present):
+            if a in present:
+                waiting[a].append(b)
+    return waiting
+
+
+def _latest_starts(
+    schedule: Schedule, step: float, cost: Callable[[Action], float], hop: Callable[[Action, Action], float],
+    waiting: Dict[Action, List[Action]],
+) -> Dict[Action, float]:
+    """Each action's latest start for which the schedule, with the same worker orders and dependencies, still
+    ends by ``step``: from the last actions back (the reverse of a topological order)."""
+    edges: Dict[Action, List[Action]] = {a: list(waiting[a]) for a in waiting}
+    for actions in schedule.workers:
+        for a, b in zip(actions, actions[1:]):
+            edges[a].append(b)
+    unresolved = {a: len(out) for a, out in edges.items()}
+    before: Dict[Action, List[Action]] = {a: [] for a in edges}
+    for a, out in edges.items():
+        for b in out:
+            before[b].append(a)
+    latest: Dict[Action, float] = {}
+    ready = [a for a, count in unresolved.items() if count == 0]
+    while ready:
+        a = ready.pop()
+        latest[a] = min([step] + [latest[b] - hop(a, b) for b in edges[a]]) - cost(a)
+        for p in before[a]:
+            unresolved[p] -= 1
+            if unresolved[p] == 0:
+                ready.append(p)
+    return latest
