@@ -42,7 +42,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -66,7 +66,7 @@ from benchmarks.harness.steps import (  # noqa: E402
 from benchmarks.harness.timing import Variant, at_once, median_ratio, round_robin  # noqa: E402
 from torchpipe import trace  # noqa: E402
 from torchpipe.runtime.tune import TUNING_STEPS  # noqa: E402
-from torchpipe.schedule import Kind, simulate  # noqa: E402
+from torchpipe.schedule import Kind, Schedule, simulate  # noqa: E402
 
 #: (name, schedule, stages); two workers each.
 CONFIGS: List[Tuple[str, str, int]] = [
@@ -101,7 +101,8 @@ def workload(name: str) -> Tuple[nn.Sequential, Tensor, Tensor]:
     raise ValueError(f"unknown model {name!r}")
 
 
-def pipeline(name: str, schedule: str, stages: int, chunks: int) -> Tuple[torchpipe.Pipeline, Tensor, Tensor]:
+def pipeline(name: str, schedule: Union[str, Schedule], stages: int, chunks: int
+             ) -> Tuple[torchpipe.Pipeline, Tensor, Tensor]:
     module, x, y = workload(name)
     devices = ["cpu"] * 2
     pipe = torchpipe.Pipeline(module, models.even_balance(len(module), stages), chunks=chunks, schedule=schedule,

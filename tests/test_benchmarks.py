@@ -28,7 +28,7 @@ HARNESS = ["harness", "harness.machine", "harness.steps", "harness.timing", "har
            "harness.processes", "harness.output"]
 MODULES = HARNESS + ["models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
                      "data_parallel", "language_model", "lm_pipeline", "mesh", "gpu_check", "gpu_sections",
-                     "gpu_report", "split_backward"]
+                     "gpu_report", "split_backward", "merged_backwards"]
 
 
 def has(module: str) -> bool:
@@ -411,3 +411,29 @@ def test_the_split_backward_benchmark_times_backwards_that_agree() -> None:
     with pytest.raises(AssertionError, match="'halved' gives other parameter gradients"):
         split_backward.check_gradients(module, x, grad, [(split_backward.ONE, split_backward.one_backward),
                                                          ("halved", halved)])
+
+
+def test_the_merged_backwards_benchmark_compares_the_same_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each split schedule runs merged (its name) and as generated (its Schedule, run as it is); both give the same
+    loss and gradients before they are timed, and a pair that does not is refused."""
+    from benchmarks import merged_backwards, models, schedules
+
+    monkeypatch.setattr(schedules, "workload", lambda name: (models.mlp(8, 8), torch.randn(16, 8),
+                                                             torch.randn(16, 8)))
+    threads = torch.get_num_threads()
+    try:
+        rows = merged_backwards.run(rounds=2, chunks=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert [row["schedule"] for row in rows] == [name for name, _ in merged_backwards.SPLITTING]
+    for row in rows:
+        assert 0 <= row["whole"] <= row["split"] and row["simulated"] > 0 and row["measured"] > 0
+        assert row["quartiles"][0] <= row["quartiles"][1]
+    zbv = next(row for row in rows if row["schedule"] == "zbv")
+    assert zbv["whole"] > 0
+    one, _, _ = schedules.pipeline("mlp", "zbv", 4, 4)
+    other, x, y = schedules.pipeline("mlp", "zbv", 4, 4)
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    with pytest.raises(AssertionError, match="differ"):
+        merged_backwards.check_same_work(one, other, x, y)

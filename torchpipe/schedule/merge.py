@@ -5,29 +5,40 @@ the worker would otherwise idle. Elsewhere it costs: the two halves run two
 passes of the autograd engine over a kept graph, and on this project's CPU
 they take 1.14 to 1.19 times the whole backward (``benchmarks/split_backward.py``).
 The zero-bubble generators split every backward, because they place the
-``W`` s before they know which ones will fill a bubble; this pass makes whole
+weight gradients before they know which ones will fill a bubble; this pass makes whole
 again (``B`` where the ``I`` was, its ``W`` gone) each one that need not be
 split.
 
 [Note: merging backwards] The test is the simulation's, in one forward pass.
 First the schedule is simulated with the given costs (step ``T``), and each
 action's latest start that keeps the step within ``T`` is found backwards
-(``latest``: a longest-path pass over the same dependencies and worker
-orders). Then the schedule is played again in virtual time; when an ``I``
-starts, at ``begin``, it is made whole if the whole backward would end in
-time for everything that comes after it: ``begin + cost(B)`` (plus a message
-where the next action is on another worker) is at most the latest start of
-the worker's next action (its ``W`` left out) and of each action waiting for
-its input gradient, and at most ``T``. A whole backward then runs for
-``cost(B)`` and its ``W`` for nothing.
+(``deadline``: a longest-path pass over the same dependencies and worker
+orders). Then the schedule is played again in virtual time, and when an
+``I`` starts, at ``begin``, it is made whole if its ``B`` would end, at
+``begin + cost(B)``, in time:
+
+- for each action that waits for its input gradient (by that action's
+  latest start, less a message where it runs on another worker), and for
+  the step's end ``T``;
+- for the worker's actions between the ``I`` and its ``W``, which now come
+  right after the ``B`` and lose the ``W``'s place. Their latest starts are
+  found again without the ``W`` (back from the action after it), and each
+  must start by its new one, counting that it starts when the one before it
+  ends or, at the latest, at its old latest start (if what it waits for is
+  late); the last of them must end by the latest start of the action after
+  the ``W``.
+
+A whole backward then plays for ``cost(B)`` and its ``W`` for nothing, and
+the actions between keep their new, later latest starts.
 
 Why this never lengthens the step: every action of the new schedule starts
-no later than its latest start. By induction in the order the play starts
-them: an action's start is the latest end (plus messages) of what it waits
-for, and each of those, at the latest, ends in time for it, by the latest
-starts' definition, unchanged for the actions kept as they were, tested for
-each whole backward, and for the action after a removed ``W`` earlier than
-before. And never more memory: a ``W`` only moves earlier in its worker's
+by its latest start (as the pass leaves it), by induction in the order the
+play starts them: an action starts when the last of what it waits for (its
+worker's previous action, and its dependencies, plus messages) has ended,
+and each of those ends in time for it: by the latest starts' definition for
+the pairs the pass left alone, by the test for each whole backward and the
+actions it moved, and since latest starts only grow. So every action ends
+by ``T``. And never more memory: a ``W`` only moves earlier in its worker's
 list, so each (stage, micro-batch) is held until an earlier point of the
 same order (:attr:`~torchpipe.schedule.Simulation.peak_activations`).
 
