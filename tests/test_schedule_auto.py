@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.test_pipeline import model_for, mse
 from torchpipe import Pipeline
 from torchpipe.runtime.step import Timings
-from torchpipe.schedule import Action, Kind, build, simulate, validate
+from torchpipe.schedule import Action, Kind, build, merge_backwards, simulate, validate
 from torchpipe.schedule.auto import AutoTuner, calibrate, choose, measuring_schedule, placement_names, typical
 
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
@@ -37,7 +37,7 @@ def test_choose_takes_the_fastest_within_1f1bs_memory() -> None:
     # One stage per worker: zero_bubble, with the split choose_split finds, each W filling a gap.
     zero = choose(4, 4, 8, lambda s, k: PAPER[k])
     assert zero.name == "zero_bubble" and zero.split is not None and any(zero.split)
-    assert zero.build(8, 4, 4) == build("zero_bubble", 8, 4, split=zero.split)
+    assert zero.build(8, 4, 4) == merge_backwards(build("zero_bubble", 8, 4, split=zero.split), lambda a: PAPER[a.kind])
     # On the CPU's costs (I + W = 1.4 B) a split pays only in the cool-down: the split backwards whose W fills
     # no gap run whole (merge_backwards), so zero_bubble keeps one split per stage at most, and is faster.
     cpu = choose(4, 4, 8, lambda s, k: CPU[k])

@@ -73,9 +73,9 @@ def merge_backwards(schedule: Schedule, costs: Optional[Costs] = None, *, commun
     backward is returned as it is; the name stays. Pure: the same schedule
     and costs give the same result, on every rank.
 
-    Example: zero-bubble's first worker has no bubble for a ``W`` to fill;
-    the second's fill its gaps, and at the end let the gradient of its last
-    ``I`` reach the first worker sooner::
+    Example: zero-bubble's first worker has no gap for a ``W`` to fill; the
+    second keeps the splits whose ``W`` fills one, or whose ``I`` hands the
+    first worker its gradient sooner::
 
         >>> from torchpipe.schedule import zero_bubble
         >>> print(zero_bubble(4, 2))
@@ -83,7 +83,7 @@ def merge_backwards(schedule: Schedule, costs: Optional[Costs] = None, *, commun
         worker 1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3
         >>> print(merge_backwards(zero_bubble(4, 2)))
         worker 0: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3
-        worker 1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3
+        worker 1: 1F0 1I0 1F1 1B1 1W0 1F2 1I2 1F3 1I3 1W2 1W3
     """
     if not any(a.kind is Kind.BACKWARD_INPUT for a in schedule.actions()):
         return schedule
@@ -127,11 +127,11 @@ def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: f
         beyond = next((a for a in actions[position[weight] + 1 :] if not gone(a)), None)
         # The latest starts of the actions between, now that they run before the W's time is gone.
         last = later = step if beyond is None else deadline[beyond]
-        relaxed: List[float] = []
+        found: Dict[Action, float] = {}  # an action between may wait for one after it: its new latest start
         for a in reversed(between):
-            later = min([later] + [deadline[b] - hop(a, b) for b in waiting[a]]) - cost(a)
-            relaxed.append(later)
-        relaxed.reverse()
+            later = min([later] + [found.get(b, deadline[b]) - hop(a, b) for b in waiting[a]]) - cost(a)
+            found[a] = later
+        relaxed = [found[a] for a in between]
         # Each starts after the whole backward, or when what it waits for is ready: by its old latest start.
         at = end
         for a, bound in zip(between, relaxed):
