@@ -145,6 +145,7 @@ def choose(
     limit = stages
     table: List[Tuple[str, float, int]] = []
     split: Optional[List[bool]] = None
+
     def cost(action: Action) -> float:
         return costs(action.stage, action.kind)
 

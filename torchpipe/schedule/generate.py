@@ -373,9 +373,10 @@ def choose_split(microbatches: int, stages: int, costs: Callable[[int, Kind], fl
     may: ``W`` starts the autograd engine anew per weight). ``costs(stage,
     kind)`` gives each action's duration (``F``, ``B``, ``I``, ``W``); the
     answer is the split whose simulated step is shortest, found greedily from
-    none (1F1B): a stage is split only if that shortens the step, each split simulated as it runs, its
-    backwards whose ``W`` fills no gap made whole (:func:`~torchpipe.schedule.merge_backwards`). Pure:
-    the same costs give the same answer.
+    none (1F1B): a stage is split only if that shortens the step. Each split
+    is simulated as it runs, its backwards whose ``W`` fills no gap made
+    whole (:func:`~torchpipe.schedule.merge_backwards`). Pure: the same
+    costs give the same answer.
     """
     def step_time(split: List[bool]) -> float:
         cost = lambda a: costs(a.stage, a.kind)  # noqa: E731

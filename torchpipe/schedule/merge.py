@@ -3,11 +3,11 @@
 A split backward (``I`` now, ``W`` later) pays only where ``W`` fills time
 the worker would otherwise idle. Elsewhere it costs: the two halves run two
 passes of the autograd engine over a kept graph, and on this project's CPU
-they take 1.14 to 1.19 times the whole backward (``benchmarks/split_backward.py``).
-The zero-bubble generators split every backward, because they place the
-weight gradients before they know which ones will fill a bubble; this pass makes whole
-again (``B`` where the ``I`` was, its ``W`` gone) each one that need not be
-split.
+they take 1.14 to 1.19 times the whole backward
+(``benchmarks/split_backward.py``). The zero-bubble generators split every
+backward, because they place the weight gradients before they know which
+ones will fill a bubble; this pass makes whole again (``B`` where the ``I``
+was, its ``W`` gone) each one that need not be split.
 
 [Note: merging backwards] The test is the simulation's, in one forward pass.
 First the schedule is simulated with the given costs (step ``T``), and each
@@ -90,8 +90,8 @@ def merge_backwards(schedule: Schedule, costs: Optional[Costs] = None, *, commun
     merged = _merge(schedule, cost_function(costs), communication)
     if costs is None:
         return merged
-    # The test is greedy, and the one with the default costs (B = I + W) may merge more that shortens the step
-    # for these costs too: the shorter of the two for these costs, tested, as the note says, at these costs.
+    # Both tests are greedy, and the default costs' (B = I + W) may merge more, to a shorter step at these
+    # costs too: whichever is shorter at these costs (so never longer than the schedule's).
     other = _merge(schedule, cost_function(None), communication)
     if simulate(other, costs, communication=communication).step_time < simulate(
             merged, costs, communication=communication).step_time - _EPSILON:
