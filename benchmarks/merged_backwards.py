@@ -37,25 +37,10 @@ from benchmarks.harness.machine import machine_description  # noqa: E402
 from benchmarks.harness.output import format_table, save_json  # noqa: E402
 from benchmarks.harness.steps import pipeline_step  # noqa: E402
 from benchmarks.harness.timing import Variant, median_ratio, round_robin  # noqa: E402
-from torchpipe import trace  # noqa: E402
 from torchpipe.schedule import Action, Kind, build, simulate  # noqa: E402
 
 #: (name, stages): the named schedules that split, each on 2 workers.
-SPLITTING: List[Tuple[str, int]] = [("interleaved_zero_bubble", 4), ("zbv", 4), ("dualpipev", 4)]
-
-
-def measured_costs(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Dict[Tuple[int, Kind], float]:
-    """Each (stage, kind)'s mean duration (s) on one recorded step (after the step that is its warm-up)."""
-    pipe.step(x, y)
-    with trace.record_timeline() as timeline:
-        pipe.step(x, y)
-    for p in pipe.parameters():
-        p.grad = None
-    durations: Dict[Tuple[int, Kind], List[float]] = {}
-    for span in timeline.tasks():
-        if span.action is not None:
-            durations.setdefault((span.action.stage, span.action.kind), []).append(span.duration)
-    return {key: statistics.mean(values) for key, values in durations.items()}
+SCHEDULES: List[Tuple[str, int]] = [("interleaved_zero_bubble", 4), ("zbv", 4), ("dualpipev", 4)]
 
 
 def check_same_work(merged: torchpipe.Pipeline, generated: torchpipe.Pipeline, x: Tensor, y: Tensor) -> None:
@@ -75,14 +60,16 @@ def run(rounds: int, chunks: int, model: str = "mlp") -> List[Dict[str, Any]]:
     torch.set_num_threads(1)
     variants: List[Variant] = []
     facts: List[Dict[str, Any]] = []
-    for name, stages in SPLITTING:
+    for name, stages in SCHEDULES:
         merged, x, y = schedules.pipeline(model, name, stages, chunks)
         written = build(name, chunks, stages, 2)
         generated, _, _ = schedules.pipeline(model, written, stages, chunks)
         assert generated.schedule == written, "a Schedule passed by hand runs as it is"
         check_same_work(merged, generated, x, y)
-        costs = measured_costs(generated, x, y)
-        costs.update({key: value for key, value in measured_costs(merged, x, y).items() if key[1] is Kind.BACKWARD})
+        # F, I and W from a step of the generator's order, B from one of the merged order.
+        costs = schedules.mean_costs(schedules.recorded_step(generated, x, y)[1])
+        whole = schedules.mean_costs(schedules.recorded_step(merged, x, y)[1])
+        costs.update({key: value for key, value in whole.items() if key[1] is Kind.BACKWARD})
         cost = _cost_of(costs)
         facts.append({
             "schedule": name, "split": _splits(written), "whole": _splits(written) - _splits(merged.schedule),

@@ -133,25 +133,36 @@ def two_threads_step(name: str, chunks: int) -> Step:
     return at_once(first, second)
 
 
+def recorded_step(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[Schedule, List[trace.Span]]:
+    """One step recorded after one more as its warm-up, its gradients dropped: (the schedule it ran, its
+    actions' spans)."""
+    pipe.step(x, y)
+    # The schedule the recorded step runs: a zero-bubble placement still being decided may change after it.
+    schedule = pipe.schedule
+    with trace.record_timeline() as timeline:
+        pipe.step(x, y)
+    for p in pipe.parameters():
+        p.grad = None
+    return schedule, [s for s in timeline.tasks() if s.action is not None]
+
+
+def mean_costs(spans: List[trace.Span]) -> Dict[Tuple[int, Kind], float]:
+    """Each (stage, action kind)'s mean duration (s) over ``spans``."""
+    durations: Dict[Tuple[int, Kind], List[float]] = {}
+    for s in spans:
+        assert s.action is not None
+        durations.setdefault((s.action.stage, s.action.kind), []).append(s.duration)
+    return {key: statistics.mean(values) for key, values in durations.items()}
+
+
 def timeline_figures(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[float, float]:
     """(simulated bubble with this step's measured mean cost per stage and action kind, idle fraction measured).
 
     Per stage: the stages are not alike even where their layers are. The first stage's backward computes no
     input gradient (its input needs none), so it costs about two thirds of the others' on the MLP, and the
     worker that holds the later stages sets the pace (GPipe's order on 2 stages: a bubble of 0.20, not 1/9)."""
-    pipe.step(x, y)
-    # The schedule the timed step runs: a zero-bubble placement still being decided may change after it.
-    schedule = pipe.schedule
-    with trace.record_timeline() as timeline:
-        pipe.step(x, y)
-    for p in pipe.parameters():
-        p.grad = None
-    spans = [s for s in timeline.tasks() if s.action is not None]
-    costs: Dict[Tuple[int, Kind], List[float]] = {}
-    for s in spans:
-        assert s.action is not None
-        costs.setdefault((s.action.stage, s.action.kind), []).append(s.duration)
-    mean = {key: statistics.mean(values) for key, values in costs.items()}
+    schedule, spans = recorded_step(pipe, x, y)
+    mean = mean_costs(spans)
     simulated = simulate(schedule, lambda a: mean[(a.stage, a.kind)]).bubble
     start = min(s.start for s in spans)
     end = max(s.end for s in spans)

@@ -425,7 +425,7 @@ def test_the_merged_backwards_benchmark_compares_the_same_work(monkeypatch: pyte
         rows = merged_backwards.run(rounds=2, chunks=4)
     finally:
         torch.set_num_threads(threads)
-    assert [row["schedule"] for row in rows] == [name for name, _ in merged_backwards.SPLITTING]
+    assert [row["schedule"] for row in rows] == [name for name, _ in merged_backwards.SCHEDULES]
     for row in rows:
         assert 0 <= row["whole"] <= row["split"] and row["simulated"] > 0 and row["measured"] > 0
         assert row["quartiles"][0] <= row["quartiles"][1]

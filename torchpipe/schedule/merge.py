@@ -101,12 +101,12 @@ def merge_backwards(schedule: Schedule, costs: Optional[Costs] = None, *, commun
 
 def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: float) -> Schedule:
     step = simulate(schedule, cost, communication=communication).step_time
-    worker_of = {a: w for w, actions in enumerate(schedule.workers) for a in actions}
+    worker_of = schedule.stage_workers
     position = {a: k for actions in schedule.workers for k, a in enumerate(actions)}
     waiting = _waiting(schedule)
 
     def hop(a: Action, b: Action) -> float:
-        return communication if worker_of[a] != worker_of[b] else 0.0
+        return communication if worker_of[a.stage] != worker_of[b.stage] else 0.0
 
     deadline = _latest_starts(schedule, step, cost, hop, waiting)
     whole: Set[Action] = set()
@@ -122,7 +122,7 @@ def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: f
         if end > step + _EPSILON or any(end + hop(action, b) > deadline[b] + _EPSILON
                                         for b in waiting[action] if b != weight):
             return cost(action)
-        actions = schedule.workers[worker_of[action]]
+        actions = schedule.workers[worker_of[action.stage]]
         between = [a for a in actions[position[action] + 1 : position[weight]] if not gone(a)]
         beyond = next((a for a in actions[position[weight] + 1 :] if not gone(a)), None)
         # The latest starts of the actions between, now that they run before the W's time is gone.
