@@ -102,12 +102,13 @@ def test_every_rank_decides_from_every_ranks_costs() -> None:
 
     def exchange(values: list) -> list:  # as across 2 ranks, the other one holding stage 1 and slower there
         exchanged.append(values)
-        return [values, [0.0, 1.0, 0.0, 1.0, 5.0, 1.0, 1.0, 1.0, 10.0]]
+        return [values, [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 5.0, 1.0, 1.0, 1.0, 10.0]]
 
     tuner = AutoTuner(2, 2, 8)
     tuner.record({(0, F): [1.0], (0, B): [2.0]}, exchange)
-    # Each rank's span (none here: plain dicts), then per (stage, kind): how many were timed, and each one's time.
-    assert exchanged == [[0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 2.0]]
+    # Each rank's span and its messages' trips for their layouts, in seconds and in number (none here: plain
+    # dicts), then per (stage, kind): how many were timed, and each one's time.
+    assert exchanged == [[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 2.0]]
     assert tuner.costs == {(0, F): 1.0, (0, B): 2.0, (1, F): 5.0, (1, B): 10.0}
     assert tuner.choice == choose(2, 2, 8, tuner.cost)
 
@@ -135,6 +136,14 @@ def test_the_time_between_workers_is_calibrated_from_the_measured_span() -> None
     tuner.record(timings)
     assert tuner.choice is not None and tuner.choice.communication == pytest.approx(truth, abs=1e-9)
     assert tuner.choice == choose(4, 2, 8, tuner.cost, communication=tuner.choice.communication)
+    # Across processes each message of a first step also waited for its layout's trip (0.5 here), which the
+    # transport timed: no later step's message takes it, so no hop is charged it.
+    first = AutoTuner(4, 2, 8)
+    timings.spans[:] = [(0.0, simulate(measured, cost, communication=truth + 0.5).step_time)]
+    timings.relayouts[:] = [0.25, 0.75]
+    first.record(timings)
+    assert first.relayout == 0.5 and first.choice is not None
+    assert first.choice.communication == pytest.approx(truth, abs=1e-9)
     slower = choose(4, 2, 8, tuner.cost, communication=2 * truth).table
     assert all(b > a for (_, a, _), (_, b, _) in zip(tuner.choice.table, slower)), "every hop is charged"
 

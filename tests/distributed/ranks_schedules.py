@@ -10,6 +10,7 @@ from tests.distributed.ranks import _differences, model_for, mse
 from tests.distributed.ranks_mesh import _compare, balance_for, drifted, mesh_of
 from tests.test_ties import lm_loss, tied_lm, tokens
 from torchpipe import Pipeline
+from torchpipe.distributed.transport import DistributedTransport
 from torchpipe.schedule.auto import AutoTuner
 
 NEW = ["looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"]
@@ -93,6 +94,16 @@ def auto_choice(rank: int, world: int) -> Dict[str, Any]:
     problems: List[str] = []
     choices: List[str] = []
     costs: List[List[Any]] = []
+    relayouts: List[float] = []
+    # Per step, how many messages this rank took whose layout it did not expect (each a trip more).
+    trips: List[int] = []
+    finish = DistributedTransport.finish
+
+    def counted(transport: DistributedTransport) -> None:
+        trips.append(len(transport.relayouts))
+        finish(transport)
+
+    DistributedTransport.finish = counted  # type: ignore[method-assign]  # this rank's process only
     for stages in (2 * world, world):
         model = model_for(stages)
         plain = copy.deepcopy(model)
@@ -109,4 +120,5 @@ def auto_choice(rank: int, world: int) -> Dict[str, Any]:
         assert isinstance(tuner, AutoTuner)
         choices.append(pipe.schedule_name)
         costs.append(sorted((s, kind.value, cost) for (s, kind), cost in tuner.costs.items()))
-    return {"problems": problems, "choices": choices, "costs": costs}
+        relayouts.append(tuner.relayout)
+    return {"problems": problems, "choices": choices, "costs": costs, "relayouts": relayouts, "trips": trips}

@@ -113,6 +113,8 @@ def distributed_step(
         begin(step)
         drive(step, plan.workers[rank], progress)
         transport.finish()
+        if timings is not None:
+            timings.relayouts += transport.relayouts
         end(step)
         if rank == last and step_loss is not None:
             weighted = step_loss.weighted()

@@ -114,6 +114,9 @@ class DistributedTransport:
         self._jobs = [incoming.first for incoming in self._incoming.values()]
         # The step's start looked at the store (or will, waiting for it): the first look for a failure waits.
         self._last_poll = time.monotonic()
+        #: Per message received whose layout was not the expected one, the seconds from its header to its
+        #: tensors (a trip more: [Note: expected layouts]), appended by whichever thread took it.
+        self.relayouts: List[float] = []
 
     # --- the Transport protocol --------------------------------------------------------------------------
 
@@ -323,8 +326,10 @@ class DistributedTransport:
             if layout == expected:
                 received = posted.views if self._packed else wait_all(guessed)
             else:  # what came were fillers (see [Note: expected layouts])
+                header_came = time.perf_counter()
                 wait_all(guessed)
                 received = wait_all(self._post_receives(peer, k, layout, self.devices[edge.target]))
+                self.relayouts.append(time.perf_counter() - header_came)
             self.memory.layouts[key] = layout
             if decoded.kind is wire.Kind.NOT_STASHED:
                 message = Message([], (), True)

@@ -37,6 +37,10 @@ class Timings(Dict[Tuple[int, Kind], List[float]]):
         super().__init__()
         #: (start, end) of each action, seconds of ``time.perf_counter`` (appended by the workers' threads).
         self.spans: List[Tuple[float, float]] = []
+        #: Across processes, per message whose layout this rank did not expect (every message of a pipeline's
+        #: first step: [Note: expected layouts]), the seconds it waited after its header for its tensors, a
+        #: trip between the ranks that later steps' messages do not take.
+        self.relayouts: List[float] = []
 
     @property
     def window(self) -> float:

@@ -18,7 +18,11 @@ messages of skips and tied copies, a wait for a core. So the step's span
 one more cost, the time a message takes from one worker to another
 (:func:`calibrate`: the ``communication`` for which :func:`simulate` runs
 the measuring step, each action at its own measured time, recomputations
-included, in that span), and the choice charges it to every hop. From
+included, in that span), and the choice charges it to every hop, less what
+the first step's messages alone pay: across processes no rank knows yet the
+layout of what it receives, so each message waits after its header for a
+trip more (see [Note: expected layouts]), which the transport times and
+later steps never take. From
 these costs :func:`choose`
 simulates every built-in schedule of the placement (the stages are placed
 on the workers, or ranks, once: the schedules that share one map; for two
@@ -237,6 +241,9 @@ class AutoTuner:
         self.stages, self.workers, self.chunks, self.splitting = stages, workers, chunks, splitting
         #: The typical measured cost of each (stage, kind), every rank's (:func:`typical`).
         self.costs: Dict[Tuple[int, Kind], float] = {}
+        #: The seconds a message of the measuring step waited, after its header, for the trip its unknown layout
+        #: cost (the mean over every rank's; 0 in one process), left out of the time charged to a hop.
+        self.relayout = 0.0
         self.choice: Optional[Choice] = None
 
     @property
@@ -256,34 +263,41 @@ class AutoTuner:
 
     def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]],
                exchange: Optional[Callable[[List[float]], List[List[float]]]] = None, microbatches: int = 1) -> bool:
-        """Takes the measuring step's timings (this rank's stages; with the span of its actions where ``timings``
-        is a :class:`~torchpipe.runtime.step.Timings`) and chooses; returns True (the schedule changed).
+        """Takes the measuring step's timings (this rank's stages; with the span of its actions and its messages'
+        trips for their layouts where ``timings`` is a :class:`~torchpipe.runtime.step.Timings`) and chooses;
+        returns True (the schedule changed).
         ``exchange`` gathers every rank's measurements (across processes; called on every rank)."""
         del microbatches  # the choice is for the Pipeline's chunks, whatever the first batch's size
-        mine = [float(getattr(timings, "window", 0.0))]
+        relayouts = list(getattr(timings, "relayouts", ()))
+        mine = [float(getattr(timings, "window", 0.0)), float(sum(relayouts)), float(len(relayouts))]
         for (s, kind), values in sorted(timings.items(), key=lambda item: (item[0][0], _MEASURED.index(item[0][1])
                                         if item[0][1] in _MEASURED else 9)):
             if kind in _MEASURED and values:
                 mine += [float(s), float(_MEASURED.index(kind)), float(len(values))] + [float(v) for v in values]
         spans: List[float] = []
+        relayout_seconds = relayout_count = 0.0
         durations: Dict[Tuple[int, Kind], List[float]] = {}
         for values in [mine] if exchange is None else exchange(mine):
             spans.append(values[0])
-            k = 1
+            relayout_seconds, relayout_count = relayout_seconds + values[1], relayout_count + values[2]
+            k = 3
             while k + 2 < len(values):
                 key, count = (int(values[k]), _MEASURED[int(values[k + 1])]), int(values[k + 2])
                 durations[key] = list(values[k + 3 : k + 3 + count])
                 k += 3 + count
         self.costs = {key: typical(values) for key, values in durations.items() if key[1] is not Kind.RECOMPUTE}
-        communication = calibrate(*self._measured_step(durations), max(spans, default=0.0))
+        # Each message of the measuring step crossed in the time of a hop and, its layout unknown, a trip more,
+        # measured (none in one process): later steps' messages take no such trip.
+        self.relayout = relayout = relayout_seconds / relayout_count if relayout_count else 0.0
+        communication = max(0.0, calibrate(*self._measured_step(durations), max(spans, default=0.0)) - relayout)
         choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
                                       communication=communication)
         steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
                           for name, step, peak in choice.table)
         logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
-                    "from the measured costs and %.3g a message between workers: %s; at most %d activations per "
-                    "worker)", choice.name, self.stages, self.workers, self.chunks, communication, steps,
-                    choice.limit)
+                    "from the measured costs and %.3g a message between workers, the first step's %.3g for its "
+                    "layout aside: %s; at most %d activations per worker)", choice.name, self.stages, self.workers,
+                    self.chunks, communication, relayout, steps, choice.limit)
         return True
 
     def _measured_step(
