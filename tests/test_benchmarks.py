@@ -268,10 +268,14 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys
         assert (result.get("predicted_ms", 0) > 0) == name.startswith("torchpipe"), name
         assert (result.get("predicted_later_ms", 0) > 0) == name.startswith("torchpipe"), name
     assert figures["torchpipe auto"]["communication_ms"] >= 0 and figures["torchpipe auto"]["measured_costs_ms"]
+    assert figures["torchpipe auto"]["relayout_ms"] > 0, "its first step's messages waited for their layouts"
+    assert figures["torchpipe auto-4"]["may_choose"] == ["zbv"], "dualpipev holds more than 1F1B"
+    assert figures["torchpipe auto"]["schedule"] in figures["torchpipe auto"]["may_choose"]
     assert set(figures["torchpipe auto-4"]["vs_fixed"]) == {"torchpipe 1f1b", "torchpipe gpipe", "torchpipe zbv"}
     distributed._print_model(figures, 16)
     printed = capsys.readouterr().out
     assert "fastest first: measured" in printed and "torchpipe auto (ran " in printed
+    assert "fixed schedule it may choose (within 1F1B's activations), torchpipe zbv" in printed
     assert "vs_rival" in figures["torchpipe zbv"], "the V's two stages per rank, beside pipelining's same class"
     for name, result in figures.items():
         assert result["speedup"] > 0 and result["plain_ms"] > 0 and result["pipe_ms"] > 0, name
@@ -295,6 +299,17 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys
         against = figures["torchpipe 1f1b"][key]
         assert against["rounds"] == 2 and 0 <= against["ahead"] <= 2 and against["ratio"] > 0
         assert key not in figures["torchpipe gpipe"] and key not in figures["pipelining Schedule1F1B"]
+
+
+def test_the_prediction_is_judged_on_the_pairs_the_measurement_orders() -> None:
+    from benchmarks.distributed import ordered_pairs
+
+    measured = {"a": 100.0, "b": 101.0, "c": 110.0}
+    # Right about a < c and b < c; wrong about a < b, which only 1 % separates: noise at a 3 % threshold.
+    predicted = {"a": 95.0, "b": 94.0, "c": 120.0}
+    assert ordered_pairs(measured, predicted) == (2, 3)
+    assert ordered_pairs(measured, predicted, 0.03) == (2, 2)
+    assert ordered_pairs(measured, {"a": 1.0, "b": 2.0, "c": 0.5}, 0.03) == (0, 2)
 
 
 def test_rounds_rotate_the_order_of_their_steps() -> None:
