@@ -100,8 +100,6 @@ HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine l
 FIXED_LAYERS, FIXED_WIDTH, FIXED_BATCH = 2, 8, 8
 #: The fixed cost's steps timed back to back in each round.
 FIXED_BURST = 10
-#: Fresh 'auto' pipelines measured after the rounds: the median of their costs is simulate's steadier model.
-LATER_MEASUREMENTS = 3
 #: How far apart two schedules' measured steps must be for their order to count as measured, not noise: the goal's
 #: noise (issue 36's 3 %).
 NOISE = 0.03
@@ -185,6 +183,13 @@ def rank_main(
         runners[config] = Runner(*config, rank, layers, width)
         runners[config].step(x, y)
         first_step[config] = time.perf_counter() - start
+    # simulate's model in each round: a pipeline of each 'auto' measured again (its choice forgotten), a few
+    # seconds from the round's steps, not minutes (the machine's speed drifts by more than the goal's 10 %).
+    models_of = {name: Runner("torchpipe", name, rank, layers, width) for name in ("auto", "auto-4")
+                 if ("torchpipe", name) in runners}
+    for measuring in models_of.values():
+        measuring.step(x, y)
+    round_costs: Dict[str, List[CostModel]] = {name: [] for name in models_of}
     plain = models.mlp(layers, width)
 
     plain_step = train_step(plain, x, target=y, loss_fn=loss_fn)
@@ -231,6 +236,12 @@ def rank_main(
                     was = before.get(kind, (0.0, 0))
                     cpu, count = burst_cpu[config].get(kind, (0.0, 0))
                     burst_cpu[config][kind] = (cpu + seconds - was[0], count + switches - was[1])
+        for name, measuring in models_of.items():
+            tuner = _tuner(measuring)
+            tuner.choice = None  # this benchmark's only: the next step measures again
+            dist.barrier()
+            measuring.step(x, y)
+            round_costs[name].append(_cost_model([_frozen(tuner)]))
         dist.barrier()
         if rank == 0:  # both halves one after the other, then each rank its half at once
             start = time.perf_counter()
@@ -255,21 +266,8 @@ def rank_main(
             _name(config): {kind: [seconds / steps * 1e3, switches / steps] for kind, (seconds, switches) in
                             burst_cpu[config].items()} for config in configs
         }))
-    # simulate's cost models: what each 'auto' measured on its first step at set-up, and the median of what
-    # fresh ones measure on their first steps now, in warm processes (the model's error, less one step's noise).
-    first_costs: Dict[str, CostModel] = {}
-    later_costs: Dict[str, CostModel] = {}
-    for name in ("auto", "auto-4"):
-        config = ("torchpipe", name)
-        if config in runners:
-            first_costs[name] = _cost_model([_tuner(runners[config])])
-            fresh: List[AutoTuner] = []
-            for _ in range(LATER_MEASUREMENTS):
-                dist.barrier()
-                again = Runner(*config, rank, layers, width)
-                again.step(x, y)
-                fresh.append(_tuner(again))
-            later_costs[name] = _cost_model(fresh)
+    # simulate's cost models: what each 'auto' measured on its first step at set-up (what it chose by).
+    first_costs = {name: _cost_model([_tuner(runners[("torchpipe", name)])]) for name in models_of}
     if rank == 0:
         ideal = pipeline_ideal(WORLD, CHUNKS)
         two = statistics.median(two_processes)
@@ -299,10 +297,14 @@ def rank_main(
                     # What it may choose: its placement's schedules within 1F1B's activations.
                     result["may_choose"] = [name for name, _, peak in _chosen(tuner).table
                                             if peak <= _chosen(tuner).limit]
-                for key, costs in (("predicted_ms", first_costs), ("predicted_later_ms", later_costs)):
-                    predicted = _predicted(runner.pipe.schedule, costs)
-                    if predicted is not None:
-                        result[key] = predicted * 1e3
+                predicted = _predicted(runner.pipe.schedule, first_costs)
+                if predicted is not None:
+                    result["predicted_ms"] = predicted * 1e3
+                    # Each round's step against the one simulated from that round's measuring step.
+                    per_round = [_predicted(runner.pipe.schedule, {name: costs[r] for name, costs in
+                                                                   round_costs.items()}) for r in range(rounds)]
+                    result["predicted_round_ms"] = statistics.median(p for p in per_round if p) * 1e3
+                    result["round_error"] = statistics.median(p / t - 1 for p, t in zip(per_round, times) if p)
             rival = RIVALS.get(config)
             if rival in pipe_times:  # the same schedule's steps in pipelining, round by round
                 result["vs_rival"] = _against(pipe_times[rival], times)
@@ -324,6 +326,13 @@ def _tuner(runner: Runner) -> AutoTuner:
     tuner = runner.pipe._tuner
     assert isinstance(tuner, AutoTuner) and tuner.choice is not None, "'auto' chooses on its first step"
     return tuner
+
+
+def _frozen(tuner: AutoTuner) -> AutoTuner:
+    """A copy of ``tuner``'s measurement and choice, which its next measuring step leaves as they are."""
+    copy = AutoTuner(tuner.stages, tuner.workers, tuner.chunks, splitting=tuner.splitting)
+    copy.costs, copy.choice, copy.relayout = dict(tuner.costs), tuner.choice, tuner.relayout
+    return copy
 
 
 def _chosen(tuner: AutoTuner) -> Choice:
@@ -403,9 +412,9 @@ def _print_model(measured: Mapping[str, Dict[str, Any]], batch: int) -> None:
                  if "predicted_ms" in r and not name.startswith("torchpipe auto")}
     if predicted:
         table = [[name, r["schedule"], r["pipe_ms"], r["predicted_ms"], r["predicted_ms"] / r["pipe_ms"] - 1,
-                  r["predicted_later_ms"], r["predicted_later_ms"] / r["pipe_ms"] - 1] for name, r in predicted.items()]
-        print(format_table(["configuration", "ran", "measured ms", "simulated ms", "error", "later: simulated ms",
-                            "error"], table))
+                  r["predicted_round_ms"], r["round_error"]] for name, r in predicted.items()]
+        print(format_table(["configuration", "ran", "measured ms", "simulated ms", "error",
+                            "per round: simulated ms", "error"], table))
 
         def order(key: str) -> str:
             return ", ".join(n.split(" ", 1)[1] for n in sorted(predicted, key=lambda n: predicted[n][key]))
@@ -416,12 +425,13 @@ def _print_model(measured: Mapping[str, Dict[str, Any]], batch: int) -> None:
                 for apart in (0.0, NOISE)))
 
         print(f"batch {batch}, fastest first: measured {order('pipe_ms')}; simulated {order('predicted_ms')}; "
-              f"later {order('predicted_later_ms')}. The largest error {max(abs(row[4]) for row in table):.1%}, "
-              f"later {max(abs(row[6]) for row in table):.1%}. Pairs of schedules in the measured order, of all "
-              f"and of those measured more than {NOISE:.0%} apart: simulated {pairs('predicted_ms')}; later "
-              f"{pairs('predicted_later_ms')}. (simulated: from the costs 'auto' measured on its first step at "
-              "set-up, on stages of the same size: F, B, I, W per stage and the calibrated time of a message; "
-              f"later: the median of {LATER_MEASUREMENTS} fresh 'auto' pipelines' first steps after the rounds)")
+              f"per round {order('predicted_round_ms')}. The largest error {max(abs(row[4]) for row in table):.1%}, "
+              f"per round {max(abs(row[6]) for row in table):.1%}. Pairs of schedules in the measured order, of "
+              f"all and of those measured more than {NOISE:.0%} apart: simulated {pairs('predicted_ms')}; per "
+              f"round {pairs('predicted_round_ms')}. (simulated: from the costs 'auto' measured on its first step "
+              "at set-up, on stages of the same size: F, B, I, W per stage and the calibrated time of a message; "
+              "per round: from a measuring step of each 'auto' in every round, each round's step against its "
+              "own round's simulated one, the median over rounds)")
     for name, r in measured.items():
         if "vs_fixed" in r:
             placed = PLACEMENTS[name.split(" ", 1)[1]]

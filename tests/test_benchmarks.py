@@ -266,7 +266,8 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys
     assert figures["torchpipe auto-4"]["schedule"] in ("zbv", "dualpipev")
     for name, result in figures.items():
         assert (result.get("predicted_ms", 0) > 0) == name.startswith("torchpipe"), name
-        assert (result.get("predicted_later_ms", 0) > 0) == name.startswith("torchpipe"), name
+        assert (result.get("predicted_round_ms", 0) > 0) == name.startswith("torchpipe"), name
+        assert ("round_error" in result) == name.startswith("torchpipe"), name
     assert figures["torchpipe auto"]["communication_ms"] >= 0 and figures["torchpipe auto"]["measured_costs_ms"]
     assert figures["torchpipe auto"]["relayout_ms"] > 0, "its first step's messages waited for their layouts"
     assert figures["torchpipe auto-4"]["may_choose"] == ["zbv"], "dualpipev holds more than 1F1B"
