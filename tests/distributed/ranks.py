@@ -2,6 +2,8 @@
 import copy
 import datetime
 import os
+import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Dict, List, Tuple
@@ -431,6 +433,32 @@ def host_leaves_first(rank: int, world: int) -> float:
     x = torch.randn(4, 6)
     loss = _step(pipe, x, rank, world)
     return float(loss)
+
+
+def host_ends_the_job_first(rank: int, world: int) -> Dict[str, Any]:
+    """Two steps, then rank 0 (the store's host) ends; rank 1 goes on a while, its stderr (the C++ logs too)
+    captured until its liveness ring has seen rank 0 go."""
+    from torchpipe.distributed import liveness
+
+    pipe, x, _ = _warm_pipeline(rank, world)
+    _step(pipe, x, rank, world)
+    if rank == 0:
+        return {}
+    ring = liveness._rings[tuple(range(world))]
+    with tempfile.TemporaryFile() as log:
+        sys.stderr.flush()
+        kept = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            deadline = time.monotonic() + 20
+            while ring.gone is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # what the ring does about it
+        finally:
+            os.dup2(kept, 2)
+            os.close(kept)
+        log.seek(0)
+        return {"gone": ring.gone, "log": log.read().decode(errors="replace")}
 
 
 def layouts_change(rank: int, world: int) -> List[str]:

@@ -213,6 +213,16 @@ def test_a_step_ends_well_when_the_store_host_exits_first() -> None:
     assert losses[0] == losses[1] == losses[2]
 
 
+def test_a_rank_that_outlives_the_store_host_ends_quietly() -> None:
+    # Story: outside torchrun rank 0 hosts the store. When it ended first at the end of a job (the benchmark's
+    # rank 1 still had work to do), rank 1's liveness ring tried to mark rank 0's pipelines failed in the store
+    # that had gone with it, and the store's client logged 65 "sendBytes failed" stack traces into a job that
+    # had ended well. The ring now sees the store gone and leaves the marks, which nobody could read.
+    reports = ok(launch("tests.distributed.ranks:host_ends_the_job_first", 2, timeout=120))
+    assert reports[1]["gone"] == 0, reports[1]
+    assert "TCPStore" not in reports[1]["log"] and "sendBytes" not in reports[1]["log"], reports[1]["log"][-2000:]
+
+
 def test_a_busy_rank_looks_at_the_store_for_failures_rarely() -> None:
     # Story: between actions every rank looked at the store for another rank's failure every 20 ms, also while
     # it was busy computing: a trip each to the store's host, which serves every rank of the job (64 ranks:

@@ -77,6 +77,11 @@ class _Ring:
 
     def _peer_gone(self, peer: int) -> None:
         self.gone = peer
+        if not _store_reachable():
+            # The store went with the peer (its host, rank 0 outside torchrun, ended first): nobody can read a
+            # mark now (the waits say so themselves), and each try would fill this rank's log with the store
+            # client's complaints as the job ends.
+            return
         for channel in list(self.channels):
             who = f"rank {channel.global_ranks.index(peer)}" if peer in channel.global_ranks else f"global rank {peer}"
             sequence = channel.sequence
@@ -108,11 +113,29 @@ def watch(channel: Any, timeout: datetime.timedelta) -> None:
         ring._peer_gone(ring.gone)
 
 
-def _store_host() -> Optional[str]:
+def _default_tcp_store() -> Optional[TCPStore]:
     store: Any = dist.distributed_c10d._get_default_store()
     while isinstance(store, PrefixStore):
         store = store.underlying_store
-    return str(store.host) if isinstance(store, TCPStore) else None
+    return store if isinstance(store, TCPStore) else None
+
+
+def _store_host() -> Optional[str]:
+    store = _default_tcp_store()
+    return None if store is None else str(store.host)
+
+
+def _store_reachable() -> bool:
+    """Whether the default store's server still takes a connection (a plain one, opened and closed at once: the
+    store's own client would retry, and log every failure)."""
+    try:
+        store = _default_tcp_store()
+        if store is None:
+            return True
+        with socket.create_connection((store.host, store.port), timeout=1.0):
+            return True
+    except (OSError, RuntimeError):  # refused, unreachable, or no default group any more
+        return False
 
 
 def _local_address(host: str) -> Tuple[int, str]:

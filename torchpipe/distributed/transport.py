@@ -94,6 +94,10 @@ class DistributedTransport:
         self._aborted = False
         self._failed = False
         self.memory = memory = memory_of(channel)
+        #: Per message received whose layout was not the expected one, the seconds from its header to its
+        #: tensors (a trip more: [Note: expected layouts]), appended by whichever thread took it (the receiving
+        #: threads start below).
+        self.relayouts: List[float] = []
         routes = memory.routes(schedule, sends)
         #: Per peer, what this rank sends it, in order, and how many of them it has sent.
         self._outgoing = routes.outgoing
@@ -114,9 +118,6 @@ class DistributedTransport:
         self._jobs = [incoming.first for incoming in self._incoming.values()]
         # The step's start looked at the store (or will, waiting for it): the first look for a failure waits.
         self._last_poll = time.monotonic()
-        #: Per message received whose layout was not the expected one, the seconds from its header to its
-        #: tensors (a trip more: [Note: expected layouts]), appended by whichever thread took it.
-        self.relayouts: List[float] = []
 
     # --- the Transport protocol --------------------------------------------------------------------------
 
