@@ -42,7 +42,7 @@ its size (each hop is charged the same), split graphs that live longer.
 """
 import logging
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
@@ -55,7 +55,7 @@ from torchpipe.schedule.generate import (
     with_recomputation,
     zero_bubble,
 )
-from torchpipe.schedule.merge import merge_backwards
+from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
 __all__ = ["Choice", "choose", "calibrate", "candidates", "placement_names", "measuring_schedule", "typical",
@@ -221,15 +221,8 @@ def measuring_schedule(stages: int, workers: int, microbatches: int, *, splittin
     else:
         base = interleaved_zero_bubble(microbatches, stages, workers)
 
-    def whole(action: Action) -> bool:
-        return not splitting or action.microbatch % 2 == 0
-
-    lists = [
-        [Action(a.stage, Kind.BACKWARD, a.microbatch) if a.kind is Kind.BACKWARD_INPUT and whole(a) else a
-         for a in actions if not (a.kind is Kind.BACKWARD_WEIGHT and whole(a))]
-        for actions in base.workers
-    ]
-    return Schedule(tuple(tuple(a) for a in lists), base.stage_workers, microbatches, "auto")
+    measuring = made_whole(base, lambda inputs: not splitting or inputs.microbatch % 2 == 0)
+    return replace(measuring, name="auto")
 
 
 class AutoTuner:

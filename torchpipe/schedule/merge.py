@@ -147,7 +147,14 @@ def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: f
         return cost(merged)
 
     play(schedule, duration, communication)
-    lists = [[Action(a.stage, Kind.BACKWARD, a.microbatch) if a in whole else a for a in actions if not gone(a)]
+    return made_whole(schedule, whole.__contains__)
+
+
+def made_whole(schedule: Schedule, whole: Callable[[Action], bool]) -> Schedule:
+    """``schedule`` with the backward of each input half ``whole`` picks run whole: ``sBi`` in the place of its
+    ``sIi``, its ``sWi`` gone (the other actions and the name as they were)."""
+    lists = [[Action(a.stage, Kind.BACKWARD, a.microbatch) if a.kind is Kind.BACKWARD_INPUT and whole(a) else a
+              for a in actions if not (a.kind is Kind.BACKWARD_WEIGHT and whole(_input_half(a)))]
              for actions in schedule.workers]
     return Schedule(tuple(tuple(a) for a in lists), schedule.stage_workers, schedule.microbatches, schedule.name)
 
