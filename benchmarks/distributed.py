@@ -40,6 +40,7 @@ of pipelining's same schedule in the same run; a fixed cost per step no more tha
     python benchmarks/distributed.py [--rounds 8] [--batches 256 1024] [--json out.json]
 """
 import argparse
+import copy
 import datetime
 import json
 import statistics
@@ -241,7 +242,7 @@ def rank_main(
             tuner.choice = None  # this benchmark's only: the next step measures again
             dist.barrier()
             measuring.step(x, y)
-            round_costs[name].append(_cost_model([_frozen(tuner)]))
+            round_costs[name].append(_cost_model(tuner))
         dist.barrier()
         if rank == 0:  # both halves one after the other, then each rank its half at once
             start = time.perf_counter()
@@ -267,7 +268,7 @@ def rank_main(
                             burst_cpu[config].items()} for config in configs
         }))
     # simulate's cost models: what each 'auto' measured on its first step at set-up (what it chose by).
-    first_costs = {name: _cost_model([_tuner(runners[("torchpipe", name)])]) for name in models_of}
+    first_costs = {name: _cost_model(_tuner(runners[("torchpipe", name)])) for name in models_of}
     if rank == 0:
         ideal = pipeline_ideal(WORLD, CHUNKS)
         two = statistics.median(two_processes)
@@ -292,11 +293,11 @@ def rank_main(
                     tuner = _tuner(runner)
                     result["measured_costs_ms"] = {f"{s}{kind.label}": cost * 1e3
                                                    for (s, kind), cost in sorted(tuner.costs.items())}
-                    result["communication_ms"] = _chosen(tuner).communication * 1e3
+                    choice = _chosen(tuner)
+                    result["communication_ms"] = choice.communication * 1e3
                     result["relayout_ms"] = tuner.relayout * 1e3
                     # What it may choose: its placement's schedules within 1F1B's activations.
-                    result["may_choose"] = [name for name, _, peak in _chosen(tuner).table
-                                            if peak <= _chosen(tuner).limit]
+                    result["may_choose"] = [name for name, _, peak in choice.table if peak <= choice.limit]
                 predicted = _predicted(runner.pipe.schedule, first_costs)
                 if predicted is not None:
                     result["predicted_ms"] = predicted * 1e3
@@ -336,26 +337,17 @@ def _tuner(runner: Runner) -> AutoTuner:
     return tuner
 
 
-def _frozen(tuner: AutoTuner) -> AutoTuner:
-    """A copy of ``tuner``'s measurement and choice, which its next measuring step leaves as they are."""
-    copy = AutoTuner(tuner.stages, tuner.workers, tuner.chunks, splitting=tuner.splitting)
-    copy.costs, copy.choice, copy.relayout = dict(tuner.costs), tuner.choice, tuner.relayout
-    return copy
-
-
 def _chosen(tuner: AutoTuner) -> Choice:
     assert tuner.choice is not None
     return tuner.choice
 
 
-def _cost_model(tuners: Sequence[AutoTuner]) -> CostModel:
-    """The median over ``tuners`` of each stage's measured cost of a kind, and of the calibrated time of a
-    message between ranks."""
-
-    def cost(stage: int, kind: Kind) -> float:
-        return statistics.median(tuner.cost(stage, kind) for tuner in tuners)
-
-    return cost, statistics.median(_chosen(tuner).communication for tuner in tuners)
+def _cost_model(tuner: AutoTuner) -> CostModel:
+    """What ``tuner`` measured: each stage's cost of a kind and the calibrated time of a message between ranks,
+    as they are now (a copy: its next measuring step leaves them as they are)."""
+    measured = copy.copy(tuner)
+    measured.costs = dict(tuner.costs)
+    return measured.cost, _chosen(tuner).communication
 
 
 def _predicted(schedule: Schedule, costs: Mapping[str, CostModel]) -> Optional[float]:

@@ -20,6 +20,7 @@ from tests.test_pipeline import model_for
 from torchpipe import Pipeline, trace
 from torchpipe.runtime.tune import SplitTuner
 from torchpipe.schedule import (
+    DEFAULT_COSTS,
     Action,
     Kind,
     Schedule,
@@ -36,8 +37,8 @@ from torchpipe.schedule import (
 )
 
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
-#: The zero-bubble paper's costs: the whole backward costs its two halves.
-PAPER = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
+#: The zero-bubble paper's costs, the simulation's default: the whole backward costs its two halves.
+PAPER = DEFAULT_COSTS
 #: This CPU's: each half 1.15 of the paper's (benchmarks/split_backward.py: the split is 1.14 to 1.19 of B).
 CPU = {F: 1.0, B: 2.0, BI: 1.15, BW: 1.15}
 
