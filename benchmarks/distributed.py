@@ -65,7 +65,7 @@ from benchmarks.harness.processes import free_port, rank_environment, run_ranks 
 from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
 from benchmarks.harness.timing import rotated  # noqa: E402
 from torchpipe.schedule import Kind, Schedule, simulate  # noqa: E402
-from torchpipe.schedule.auto import AutoTuner, Choice  # noqa: E402
+from torchpipe.schedule.auto import AutoTuner, Choice, measuring_schedule  # noqa: E402
 
 WORLD = 2
 LAYERS = 16
@@ -91,7 +91,10 @@ PLACEMENTS = {"auto": {"1f1b", "zero_bubble", "gpipe"}, "auto-4": {"zbv", "dualp
 #: The schedules that run two stages per rank (each a quarter of the model): on the loop (stage s on rank s % 2)
 #: or in the V (rank r holds stages r and 3 - r).
 LOOPED = {"looped_bfs", "ScheduleLoopedBFS", "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble",
-          "interleaved_1f1b", "ScheduleInterleaved1F1B"}
+          "interleaved_1f1b", "ScheduleInterleaved1F1B", "auto-loop"}
+#: torchpipe's schedules on the loop's map, which 'auto' never measures for two stages per rank (it takes the V):
+#: ``'auto-loop'``, a pipeline of this benchmark's own, measures there as 'auto' would (simulate's costs only).
+LOOP_NAMES = ["interleaved_zero_bubble", "interleaved_1f1b", "looped_bfs"]
 V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV", "auto-4"}
 #: Issue 18's goals: the fraction of the micro-batched ideal, per batch.
 GOALS = {256: 0.80, 1024: 0.90}
@@ -126,7 +129,18 @@ class Runner:
             mine = list(range(rank, stages, WORLD))
         #: Whether this rank reads the input (holds the first stage) and the target (the last).
         self.first, self.last = 0 in mine, stages - 1 in mine
-        if library == "torchpipe":
+        if library == "torchpipe" and schedule == "auto-loop":
+            import torchpipe
+
+            # The loop's measuring step as 'auto' would run it there, timed by a tuner of the loop's schedules (a
+            # private attribute: this benchmark's only); the pipeline runs that step whatever the tuner chooses.
+            self.pipe = torchpipe.Pipeline(model, [size] * stages, chunks=CHUNKS, loss_fn=loss_fn,
+                                           schedule=measuring_schedule(stages, WORLD, CHUNKS, names=LOOP_NAMES),
+                                           group=dist.group.WORLD)
+            self.pipe._tuner = AutoTuner(stages, WORLD, CHUNKS, names=LOOP_NAMES)
+            self.parameters = list(self.pipe.parameters())
+            self.run = self._torchpipe
+        elif library == "torchpipe":
             import torchpipe
 
             self.pipe = torchpipe.Pipeline(model, [size] * stages, chunks=CHUNKS, schedule=schedule.split("-")[0],
@@ -184,12 +198,15 @@ def rank_main(
         runners[config] = Runner(*config, rank, layers, width)
         runners[config].step(x, y)
         first_step[config] = time.perf_counter() - start
-    # simulate's model in each round: a pipeline of each 'auto' measured again (its choice forgotten), a few
-    # seconds from the round's steps, not minutes (the machine's speed drifts by more than the goal's 10 %).
-    models_of = {name: Runner("torchpipe", name, rank, layers, width) for name in ("auto", "auto-4")
-                 if ("torchpipe", name) in runners}
+    # simulate's model in each round: a measuring pipeline of each map torchpipe's configurations run on (two
+    # stages, the V, the loop) measured again (its choice forgotten), a few seconds from the round's steps, not
+    # minutes (the machine's speed drifts by more than the goal's 10 %).
+    models_of = {name: Runner("torchpipe", name, rank, layers, width) for name in ("auto", "auto-4", "auto-loop")
+                 if any(library == "torchpipe" and _measured_by(schedule) == name for library, schedule in configs)}
     for measuring in models_of.values():
         measuring.step(x, y)
+    # and at set-up: what each measured on its first step, as 'auto' chose by.
+    first_costs = {name: _cost_model(_tuner(measuring)) for name, measuring in models_of.items()}
     round_costs: Dict[str, List[CostModel]] = {name: [] for name in models_of}
     plain = models.mlp(layers, width)
 
@@ -267,8 +284,6 @@ def rank_main(
             _name(config): {kind: [seconds / steps * 1e3, switches / steps] for kind, (seconds, switches) in
                             burst_cpu[config].items()} for config in configs
         }))
-    # simulate's cost models: what each 'auto' measured on its first step at set-up (what it chose by).
-    first_costs = {name: _cost_model(_tuner(runners[("torchpipe", name)])) for name in models_of}
     if rank == 0:
         ideal = pipeline_ideal(WORLD, CHUNKS)
         two = statistics.median(two_processes)
@@ -306,6 +321,10 @@ def rank_main(
                                                                    round_costs.items()}) for r in range(rounds)]
                     result["predicted_round_ms"] = statistics.median(p for p in per_round if p) * 1e3
                     result["round_error"] = statistics.median(p / t - 1 for p, t in zip(per_round, times) if p)
+                    # The calibrated time of a message on the schedule's map: at set-up, the median over rounds.
+                    by = _measured_by(config[1])
+                    result["map_communication_ms"] = [first_costs[by][1] * 1e3,
+                                                  statistics.median(c for _, c in round_costs[by]) * 1e3]
             rival = RIVALS.get(config)
             if rival in pipe_times:  # the same schedule's steps in pipelining, round by round
                 result["vs_rival"] = _against(pipe_times[rival], times)
@@ -350,11 +369,18 @@ def _cost_model(tuner: AutoTuner) -> CostModel:
     return measured.cost, _chosen(tuner).communication
 
 
+def _measured_by(schedule: str) -> str:
+    """The measuring pipeline whose costs simulate a torchpipe schedule (a name of this benchmark's): the one on
+    its map, ``'auto'`` on two stages, ``'auto-4'`` in the V, ``'auto-loop'`` on the loop."""
+    return "auto-loop" if schedule in LOOPED else "auto-4" if schedule in V_SHAPED else "auto"
+
+
 def _predicted(schedule: Schedule, costs: Mapping[str, CostModel]) -> Optional[float]:
     """The step time (seconds) :func:`torchpipe.schedule.simulate` predicts for ``schedule`` from the costs
-    ``'auto'`` measured on stages of the same size (``'auto'`` on two stages for the schedules on two,
-    ``'auto-4'`` for those on four); None where that ``'auto'`` is not in the run."""
-    model = costs.get("auto" if schedule.stages == WORLD else "auto-4")
+    measured on its own map (:func:`_measured_by`); None where that measuring pipeline is not in the run."""
+    loop = tuple(s % WORLD for s in range(schedule.stages))
+    model = costs.get("auto" if schedule.stages == WORLD else "auto-loop" if schedule.stage_workers == loop
+                      else "auto-4")
     if model is None:
         return None
     cost, communication = model
@@ -406,8 +432,9 @@ def _versus(result: Dict[str, Any], key: str) -> str:
 
 
 def _print_model(measured: Mapping[str, Dict[str, Any]], batch: int) -> None:
-    """How well :func:`torchpipe.schedule.simulate` predicted torchpipe's step times from the costs ``'auto'``
-    measured (the error per schedule, the two rankings), and ``'auto'`` against every fixed schedule."""
+    """How well :func:`torchpipe.schedule.simulate` predicted torchpipe's step times from the costs measured on
+    each schedule's map (the error per schedule, the two rankings), and ``'auto'`` against every fixed
+    schedule."""
     predicted = {name: r for name, r in measured.items()
                  if "predicted_ms" in r and not name.startswith("torchpipe auto")}
     if predicted:
@@ -428,10 +455,11 @@ def _print_model(measured: Mapping[str, Dict[str, Any]], batch: int) -> None:
               f"per round {order('predicted_round_ms')}. The largest error {max(abs(row[4]) for row in table):.1%}, "
               f"per round {max(abs(row[6]) for row in table):.1%}. Pairs of schedules in the measured order, of "
               f"all and of those measured more than {NOISE:.0%} apart: simulated {pairs('predicted_ms')}; per "
-              f"round {pairs('predicted_round_ms')}. (simulated: from the costs 'auto' measured on its first step "
-              "at set-up, on stages of the same size: F, B, I, W per stage and the calibrated time of a message; "
-              "per round: from a measuring step of each 'auto' in every round, each round's step against its "
-              "own round's simulated one, the median over rounds)")
+              f"round {pairs('predicted_round_ms')}. (simulated: from the costs a measuring pipeline on the "
+              "schedule's own map (two stages, the V, the loop) took as 'auto' does on its first step at set-up: "
+              "F, B, I, W per stage and the calibrated time of a message; per round: from a measuring step of "
+              "each in every round, each round's step against its own round's simulated one, the median over "
+              "rounds)")
     for name, r in measured.items():
         if "vs_fixed" in r:
             placed = PLACEMENTS[name.split(" ", 1)[1]]

@@ -255,11 +255,13 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys
     from benchmarks import distributed
 
     configs = [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B"), ("torchpipe", "gpipe"), ("torchpipe", "zbv"),
-               ("pipelining", "ScheduleZBVZeroBubble"), ("torchpipe", "auto"), ("torchpipe", "auto-4")]
+               ("pipelining", "ScheduleZBVZeroBubble"), ("torchpipe", "auto"), ("torchpipe", "auto-4"),
+               ("torchpipe", "looped_bfs")]
     assert set(configs) <= set(distributed.CONFIGS) and distributed.RIVALS[configs[0]] == configs[1]
     figures = distributed.measure(configs, batch=16, rounds=2, timeout=180, burst=2)
     assert set(figures) == {"torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe gpipe", "torchpipe zbv",
-                            "pipelining ScheduleZBVZeroBubble", "torchpipe auto", "torchpipe auto-4"}
+                            "pipelining ScheduleZBVZeroBubble", "torchpipe auto", "torchpipe auto-4",
+                            "torchpipe looped_bfs"}
     # 'auto' chose within its placement; every torchpipe schedule's step was predicted from the costs the 'auto'
     # on stages of its size measured; 'auto' is compared with every fixed schedule round by round.
     assert figures["torchpipe auto"]["schedule"] in ("1f1b", "zero_bubble", "gpipe")
@@ -268,11 +270,16 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys
         assert (result.get("predicted_ms", 0) > 0) == name.startswith("torchpipe"), name
         assert (result.get("predicted_round_ms", 0) > 0) == name.startswith("torchpipe"), name
         assert ("round_error" in result) == name.startswith("torchpipe"), name
+        # The calibrated time of a message on the schedule's own map (the loop's measured by a pipeline of its
+        # own): at set-up and over the rounds.
+        assert (len(result.get("map_communication_ms", ())) == 2) == name.startswith("torchpipe"), name
+        assert all(ms >= 0 for ms in result.get("map_communication_ms", ())), name
     assert figures["torchpipe auto"]["communication_ms"] >= 0 and figures["torchpipe auto"]["measured_costs_ms"]
     assert figures["torchpipe auto"]["relayout_ms"] > 0, "its first step's messages waited for their layouts"
     assert figures["torchpipe auto-4"]["may_choose"] == ["zbv"], "dualpipev holds more than 1F1B"
     assert figures["torchpipe auto"]["schedule"] in figures["torchpipe auto"]["may_choose"]
-    assert set(figures["torchpipe auto-4"]["vs_fixed"]) == {"torchpipe 1f1b", "torchpipe gpipe", "torchpipe zbv"}
+    assert set(figures["torchpipe auto-4"]["vs_fixed"]) == {"torchpipe 1f1b", "torchpipe gpipe", "torchpipe zbv",
+                                                            "torchpipe looped_bfs"}
     distributed._print_model(figures, 16)
     printed = capsys.readouterr().out
     assert "fastest first: measured" in printed and "torchpipe auto (ran " in printed
@@ -327,6 +334,22 @@ def test_the_distributed_benchmark_against_figures() -> None:
     assert against == {"ratio": 1.5, "ahead": 2, "rounds": 3}
     assert distributed._versus({"vs_rival": against}, "vs_rival") == "1.500 (2/3)"
     assert distributed._versus({}, "vs_rival") == ""
+    # Each schedule is simulated from the costs measured on its own map: the loop's are not the V's (issue 36:
+    # 5 of the 9 pairs the simulation misordered held looped_bfs, simulated from the V's costs).
+    from torchpipe.schedule import Kind, build, simulate
+
+    def cost(stage: int, kind: Kind) -> float:
+        return 2.0 if kind is Kind.BACKWARD else 1.0
+
+    cost_models = {"auto": (cost, 0.5), "auto-4": (cost, 1.0), "auto-loop": (cost, 2.0)}
+    for name, stages, communication in [("1f1b", 2, 0.5), ("zbv", 4, 1.0), ("dualpipev", 4, 1.0),
+                                        ("looped_bfs", 4, 2.0), ("interleaved_1f1b", 4, 2.0)]:
+        schedule = build(name, 8, stages, 2)
+        expected = simulate(schedule, lambda a: cost(a.stage, a.kind), communication=communication).step_time
+        assert distributed._predicted(schedule, cost_models) == expected, name
+        assert distributed._measured_by(name) == {2: "auto", 4: "auto-4" if name in ("zbv", "dualpipev")
+                                                  else "auto-loop"}[stages], name
+    assert distributed._predicted(build("looped_bfs", 8, 4, 2), {"auto-4": (cost, 1.0)}) is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread_cpu reads /proc")

@@ -12,7 +12,15 @@ from tests.test_pipeline import model_for, mse
 from torchpipe import Pipeline
 from torchpipe.runtime.step import Timings
 from torchpipe.schedule import Action, Kind, build, merge_backwards, simulate, validate
-from torchpipe.schedule.auto import AutoTuner, calibrate, choose, measuring_schedule, placement_names, typical
+from torchpipe.schedule.auto import (
+    AutoTuner,
+    calibrate,
+    choose,
+    measuring_schedule,
+    one_map,
+    placement_names,
+    typical,
+)
 
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 PAPER = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
@@ -76,6 +84,44 @@ def test_the_measuring_schedule_is_valid_and_times_every_kind(m: int, workers: i
     chosen = choice.build(m, stages, workers)
     validate(chosen)
     assert chosen.stage_workers == schedule.stage_workers
+
+
+LOOP = ["interleaved_zero_bubble", "interleaved_1f1b", "looped_bfs"]
+
+
+def test_named_schedules_are_measured_and_chosen_on_their_own_map() -> None:
+    # For two stages per worker 'auto' takes the V (the loop's schedules hold more than 1F1B there), so nothing
+    # measured the loop's costs: issue 36's benchmark simulated the loop's schedules from the V's, whose stage 1
+    # hands its output to stage 2 on its own worker, and 5 of the 9 pairs of schedules it misordered held
+    # looped_bfs. Named, the loop's schedules are measured and simulated on the loop's map.
+    loop = measuring_schedule(4, 2, 8, names=LOOP)
+    validate(loop)
+    assert loop.stage_workers == (0, 1, 0, 1) and measuring_schedule(4, 2, 8).stage_workers == (0, 1, 1, 0)
+    tuner = AutoTuner(4, 2, 8, names=LOOP)
+    assert tuner.plan(8) == loop
+    costs = {(s, kind): value for s in range(4) for kind, value in PAPER.items()}
+    tuner.record({key: [value] * 8 for key, value in costs.items()})
+    assert tuner.choice is not None and [row[0] for row in tuner.choice.table] == LOOP
+    assert tuner.choice == choose(4, 2, 8, tuner.cost, names=LOOP)
+    assert tuner.choice.build(8, 4, 2).stage_workers == loop.stage_workers
+    # Every name's map is its own: one stage per worker with any of its three, the V with either of its two.
+    assert measuring_schedule(4, 4, 8, names=["gpipe"]).stage_workers == (0, 1, 2, 3)
+    assert measuring_schedule(4, 2, 8, names=["dualpipev"]).stage_workers == (0, 1, 1, 0)
+
+
+@pytest.mark.parametrize("names, message", [
+    (["zbv", "looped_bfs"], r"alike, but 'zbv' puts them on workers \[0, 1, 1, 0\] and 'looped_bfs' on \[0, 1, 0, 1\]"),
+    (["1f1b"], "'1f1b' runs 4 stages on 4 workers, not 2: choose among schedules for 2 workers"),
+    ([], "no schedule to choose among"),
+    (["loop"], "unknown schedule 'loop'; choose one of"),
+])
+def test_names_on_several_maps_or_none_say_what_fits(names: list, message: str) -> None:
+    for call in (lambda: one_map(names, 4, 2), lambda: AutoTuner(4, 2, 8, names=names),
+                 lambda: choose(4, 2, 8, lambda s, k: PAPER[k], names=names)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(ValueError, match=r"every one of \['zbv'\] splits the backward, .*name one that does not"):
+        AutoTuner(4, 2, 8, splitting=False, names=["zbv"])
 
 
 def test_costs_not_measured_come_from_those_that_were() -> None:

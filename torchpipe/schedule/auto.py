@@ -49,6 +49,7 @@ from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import cost_function, simulate
 from torchpipe.schedule.generate import (
     SPLITTING,
+    V_SHAPED,
     build,
     choose_split,
     interleaved_zero_bubble,
@@ -58,8 +59,8 @@ from torchpipe.schedule.generate import (
 from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
-__all__ = ["Choice", "choose", "calibrate", "candidates", "placement_names", "measuring_schedule", "typical",
-           "AutoTuner"]
+__all__ = ["Choice", "choose", "calibrate", "candidates", "placement_names", "one_map", "measuring_schedule",
+           "typical", "AutoTuner"]
 
 logger = logging.getLogger("torchpipe")
 
@@ -85,16 +86,45 @@ def placement_names(stages: int, workers: int) -> List[str]:
     return names
 
 
-def candidates(stages: int, workers: int, *, splitting: bool = True) -> List[str]:
-    """:func:`placement_names`, less those that split backwards without ``splitting``; ``ValueError`` if none."""
-    names = [name for name in placement_names(stages, workers) if splitting or name not in SPLITTING]
+def one_map(names: Sequence[str], stages: int, workers: int) -> List[str]:
+    """``names`` as a list, checked: built-in schedules that all place ``stages`` on ``workers`` with one
+    stage-to-worker map (``placement_names(stages, workers)``'s or, for two stages per worker, the loop's:
+    ``['interleaved_zero_bubble', 'interleaved_1f1b', 'looped_bfs']``, which ``'auto'`` leaves out there, since
+    they hold more than 1F1B); ``ValueError`` saying which differ."""
+    names = list(names)
     if not names:
+        raise ValueError("no schedule to choose among: name at least one built-in schedule")
+    built = {name: build(name, 2 * workers, stages, workers) for name in names}
+    elsewhere = [name for name, schedule in built.items() if schedule.num_workers != workers]
+    if elsewhere:
+        raise ValueError(f"{elsewhere[0]!r} runs {stages} stages on {built[elsewhere[0]].num_workers} workers, not "
+                         f"{workers}: choose among schedules for {workers} workers")
+    maps = {name: schedule.stage_workers for name, schedule in built.items()}
+    differ = [name for name in names if maps[name] != maps[names[0]]]
+    if differ:
+        raise ValueError(
+            f"the schedules to choose among must place the {stages} stages on the {workers} workers alike, but "
+            f"{names[0]!r} puts them on workers {list(maps[names[0]])} and {differ[0]!r} on {list(maps[differ[0]])}"
+        )
+    return names
+
+
+def candidates(stages: int, workers: int, *, splitting: bool = True, names: Optional[Sequence[str]] = None
+               ) -> List[str]:
+    """``names`` (default: :func:`placement_names`; see :func:`one_map`), less those that split backwards without
+    ``splitting``; ``ValueError`` if none."""
+    placed = placement_names(stages, workers) if names is None else one_map(names, stages, workers)
+    kept = [name for name in placed if splitting or name not in SPLITTING]
+    if not kept and names is not None:
+        raise ValueError(f"every one of {placed} splits the backward, which needs "
+                         "torch.autograd.graph.GradientEdge (this torch lacks it); name one that does not")
+    if not kept:
         raise ValueError(
             f"schedule='auto' places {stages} stages on {workers} workers in a V, whose schedules split the "
             "backward, which needs torch.autograd.graph.GradientEdge (this torch lacks it); use one stage per "
             "worker, three or more per worker, or upgrade PyTorch"
         )
-    return names
+    return kept
 
 
 def _build(name: str, microbatches: int, stages: int, workers: int, split: Optional[List[bool]],
@@ -132,12 +162,13 @@ class Choice:
 
 def choose(
     stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True,
-    communication: float = 0.0,
+    communication: float = 0.0, names: Optional[Sequence[str]] = None,
 ) -> Choice:
     """The fastest built-in schedule of the placement for ``costs(stage, kind)`` within 1F1B's memory.
 
     ``splitting`` False leaves out the schedules that split backwards; ``communication`` is added to every
-    dependency on another worker's action (a message's time). Pure: the same costs give the same choice.
+    dependency on another worker's action (a message's time); ``names`` chooses among those schedules instead
+    of the placement's (all on one map: :func:`one_map`). Pure: the same costs give the same choice.
 
     Example::
 
@@ -153,7 +184,7 @@ def choose(
     def cost(action: Action) -> float:
         return costs(action.stage, action.kind)
 
-    for name in candidates(stages, workers, splitting=splitting):
+    for name in candidates(stages, workers, splitting=splitting, names=names):
         if name == "zero_bubble":
             split = choose_split(microbatches, stages, costs)
         run = simulate(_build(name, microbatches, stages, workers, split, cost, communication), cost,
@@ -209,14 +240,16 @@ def typical(times: Sequence[float]) -> float:
     return statistics.median(times[1:]) if len(times) > 1 else times[0]
 
 
-def measuring_schedule(stages: int, workers: int, microbatches: int, *, splitting: bool = True) -> Schedule:
+def measuring_schedule(stages: int, workers: int, microbatches: int, *, splitting: bool = True,
+                       names: Optional[Sequence[str]] = None) -> Schedule:
     """The first step's schedule, named ``'auto'``: the placement's split schedule with the backward of every
     even micro-batch whole (``B`` where its ``I`` was, no ``W``), so that one step times ``F``, ``B``, ``I`` and
-    ``W`` of every stage (only ``F`` and ``B`` without ``splitting``, or with one micro-batch)."""
-    names = placement_names(stages, workers)
-    if names[0] == "1f1b":
+    ``W`` of every stage (only ``F`` and ``B`` without ``splitting``, or with one micro-batch). With ``names``
+    (see :func:`one_map`), on their map: the loop's, say, for two stages per worker."""
+    names = placement_names(stages, workers) if names is None else one_map(names, stages, workers)
+    if names[0] in ("1f1b", "zero_bubble", "gpipe"):
         base = zero_bubble(microbatches, stages)
-    elif names[0] == "zbv":
+    elif names[0] in V_SHAPED:
         base = zbv(microbatches, workers)
     else:
         base = interleaved_zero_bubble(microbatches, stages, workers)
@@ -229,9 +262,14 @@ class AutoTuner:
     """``schedule='auto'`` in a Pipeline: the measuring schedule for the first training step, then the choice
     (see [Note: auto schedule])."""
 
-    def __init__(self, stages: int, workers: int, chunks: int, *, splitting: bool = True) -> None:
-        candidates(stages, workers, splitting=splitting)  # a placement with no built-in schedule: ValueError now
+    def __init__(self, stages: int, workers: int, chunks: int, *, splitting: bool = True,
+                 names: Optional[Sequence[str]] = None) -> None:
+        # A placement with no built-in schedule, or names on several maps: ValueError now.
+        candidates(stages, workers, splitting=splitting, names=names)
         self.stages, self.workers, self.chunks, self.splitting = stages, workers, chunks, splitting
+        #: The schedules it measures on the map of and chooses among (None: the placement's, see
+        #: :func:`placement_names`).
+        self.names: Optional[List[str]] = None if names is None else list(names)
         #: The typical measured cost of each (stage, kind), every rank's (:func:`typical`).
         self.costs: Dict[Tuple[int, Kind], float] = {}
         #: The seconds a message of the measuring step waited, after its header, for the trip its unknown layout
@@ -251,7 +289,8 @@ class AutoTuner:
     def plan(self, microbatches: int) -> Schedule:
         """The schedule of a step of ``microbatches``: the measuring one, then the choice."""
         if self.choice is None:
-            return measuring_schedule(self.stages, self.workers, microbatches, splitting=self.splitting)
+            return measuring_schedule(self.stages, self.workers, microbatches, splitting=self.splitting,
+                                      names=self.names)
         return self.choice.build(microbatches, self.stages, self.workers)
 
     def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]],
@@ -284,7 +323,7 @@ class AutoTuner:
         self.relayout = relayout = relayout_seconds / relayout_count if relayout_count else 0.0
         communication = max(0.0, calibrate(*self._measured_step(durations), max(spans, default=0.0)) - relayout)
         choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
-                                      communication=communication)
+                                      communication=communication, names=self.names)
         steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
                           for name, step, peak in choice.table)
         logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
@@ -301,7 +340,8 @@ class AutoTuner:
         microbatches = max((len(v) for (_, kind), v in durations.items() if kind is Kind.FORWARD), default=0)
         recomputed = {s: len(v) for (s, kind), v in durations.items() if kind is Kind.RECOMPUTE}
         schedule = with_recomputation(
-            measuring_schedule(self.stages, self.workers, microbatches or self.chunks, splitting=self.splitting),
+            measuring_schedule(self.stages, self.workers, microbatches or self.chunks, splitting=self.splitting,
+                               names=self.names),
             lambda s, i: i < recomputed.get(s, 0),
         )
         own: Dict[Action, float] = {}
