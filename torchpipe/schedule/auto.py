@@ -18,11 +18,18 @@ messages of skips and tied copies, a wait for a core. So the step's span
 one more cost, the time a message takes from one worker to another
 (:func:`calibrate`: the ``communication`` for which :func:`simulate` runs
 the measuring step, each action at its own measured time, recomputations
-included, in that span), and the choice charges it to every hop, less what
-the first step's messages alone pay: across processes no rank knows yet the
-layout of what it receives, so each message waits after its header for a
-trip more (see [Note: expected layouts]), which the transport times and
-later steps never take. From
+included, in that span), and the choice charges it to every hop. What only
+the first step's messages pay is left out of it: across processes no rank
+knows yet the layout of what it receives, so each message waits after its
+header for a trip more (see [Note: expected layouts]), which the transport
+times. That trip starts when the receiver reads the header, which is when
+its action asks for the message, so the action pays it even where the
+message came early, which a hop's time would not (:func:`with_trips`: the
+simulated measuring step charges each action the mean trip per message it
+receives from another worker). Left in the hop's time, the first step's
+trips had it calibrated 1 to 3 ms above later steps' on 2 gloo ranks, a
+message of 0.5 to 1.9 ms there (``benchmarks/distributed.py``; now -1 to +2
+ms, the first step's own noise). From
 these costs :func:`choose`
 simulates every built-in schedule of the placement (the stages are placed
 on the workers, or ranks, once: the schedules that share one map; for two
@@ -46,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
-from torchpipe.schedule.check import cost_function, simulate
+from torchpipe.schedule.check import cost_function, dependencies, simulate
 from torchpipe.schedule.generate import (
     SPLITTING,
     V_SHAPED,
@@ -60,7 +67,7 @@ from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
 __all__ = ["Choice", "choose", "calibrate", "candidates", "placement_names", "one_map", "measuring_schedule",
-           "typical", "AutoTuner"]
+           "typical", "with_trips", "AutoTuner"]
 
 logger = logging.getLogger("torchpipe")
 
@@ -229,6 +236,24 @@ def calibrate(schedule: Schedule, costs: Callable[[Action], float], span: float)
     return (low + high) / 2
 
 
+def with_trips(schedule: Schedule, costs: Callable[[Action], float], trip: float) -> Callable[[Action], float]:
+    """``costs`` with ``trip`` more for every message from another worker each action of ``schedule`` waits for:
+    a message whose layout its receiver did not know crosses in a trip more, which starts once the receiver asks
+    for it (its tensors' receives are posted after its header was read), so the action pays it whenever its
+    message came, unlike the hop's own time, which a message sent early hides (see [Note: auto schedule])."""
+    if not trip:
+        return costs
+    present = frozenset(schedule.actions())
+    worker_of = {action: w for w, actions in enumerate(schedule.workers) for action in actions}
+    messages = {action: sum(worker_of.get(need) != worker_of[action] for need in dependencies(
+        action, schedule.stages, present) if need in present) for action in present}
+
+    def cost(action: Action) -> float:
+        return costs(action) + trip * messages.get(action, 0)
+
+    return cost
+
+
 def typical(times: Sequence[float]) -> float:
     """A stage's cost of a kind from its actions' times on the measuring step, in the order they ran: the median
     of those after the first, or the only one. The first of a kind on a first step pays for what runs once (the
@@ -321,15 +346,16 @@ class AutoTuner:
         # Each message of the measuring step crossed in the time of a hop and, its layout unknown, a trip more,
         # measured (none in one process): later steps' messages take no such trip.
         self.relayout = relayout = relayout_seconds / relayout_count if relayout_count else 0.0
-        communication = max(0.0, calibrate(*self._measured_step(durations), max(spans, default=0.0)) - relayout)
+        schedule, own = self._measured_step(durations)
+        communication = calibrate(schedule, with_trips(schedule, own, relayout), max(spans, default=0.0))
         choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
                                       communication=communication, names=self.names)
         steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
                           for name, step, peak in choice.table)
         logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
-                    "from the measured costs and %.3g a message between workers, the first step's %.3g for its "
-                    "layout aside: %s; at most %d activations per worker)", choice.name, self.stages, self.workers,
-                    self.chunks, communication, relayout, steps, choice.limit)
+                    "from the measured costs and %.3g a message between workers, the first step's trip of %.3g a "
+                    "message for its layout aside: %s; at most %d activations per worker)", choice.name,
+                    self.stages, self.workers, self.chunks, communication, relayout, steps, choice.limit)
         return True
 
     def _measured_step(
