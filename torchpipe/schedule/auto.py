@@ -26,10 +26,11 @@ times. That trip starts when the receiver reads the header, which is when
 its action asks for the message, so the action pays it even where the
 message came early, which a hop's time would not (:func:`with_trips`: the
 simulated measuring step charges each action the mean trip per message it
-receives from another worker). Left in the hop's time, the first step's
-trips had it calibrated 1 to 3 ms above later steps' on 2 gloo ranks, a
-message of 0.5 to 1.9 ms there (``benchmarks/distributed.py``; now -1 to +2
-ms, the first step's own noise). From
+receives from another worker). Taken as a part of each hop's time instead
+(one mean trip a hop), they had the first step of the V and of the loop
+calibrate 1.7 to 2.8 ms above what later steps find (1.1 to 2.9 ms), on 2
+gloo ranks; so charged, 10 of 12 first steps came within -0.8 and +0.3 ms
+of it (``benchmarks/README.md``, the nineteenth session). From
 these costs :func:`choose`
 simulates every built-in schedule of the placement (the stages are placed
 on the workers, or ranks, once: the schedules that share one map; for two
@@ -245,7 +246,7 @@ def with_trips(schedule: Schedule, costs: Callable[[Action], float], trip: float
         return costs
     present = frozenset(schedule.actions())
     worker_of = {action: w for w, actions in enumerate(schedule.workers) for action in actions}
-    messages = {action: sum(worker_of.get(need) != worker_of[action] for need in dependencies(
+    messages = {action: sum(worker_of[need] != worker_of[action] for need in dependencies(
         action, schedule.stages, present) if need in present) for action in present}
 
     def cost(action: Action) -> float:
