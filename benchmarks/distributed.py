@@ -205,7 +205,8 @@ def rank_main(
                  if any(library == "torchpipe" and _measured_by(schedule) == name for library, schedule in configs)}
     for measuring in models_of.values():
         measuring.step(x, y)
-    # and at set-up: what each measured on its first step, as 'auto' chose by.
+    # and at set-up: what each measured on its first step (a fresh pipeline's, made after every configuration's
+    # set-up; the 'auto' configurations chose by their own first steps, before).
     first_costs = {name: _cost_model(_tuner(measuring)) for name, measuring in models_of.items()}
     round_costs: Dict[str, List[CostModel]] = {name: [] for name in models_of}
     plain = models.mlp(layers, width)
@@ -324,7 +325,8 @@ def rank_main(
                     # The calibrated time of a message on the schedule's map: at set-up, the median over rounds.
                     by = _measured_by(config[1])
                     result["map_communication_ms"] = [first_costs[by][1] * 1e3,
-                                                  statistics.median(c for _, c in round_costs[by]) * 1e3]
+                                                      statistics.median(c for _, c in round_costs[by]) * 1e3]
+                    result["measured_on"] = list(models_of[by].pipe.schedule.stage_workers)
             rival = RIVALS.get(config)
             if rival in pipe_times:  # the same schedule's steps in pipelining, round by round
                 result["vs_rival"] = _against(pipe_times[rival], times)
@@ -407,7 +409,10 @@ def measure(
     ``burst``, each round also times that many steps back to back (``pipe_burst_ms``: per step; ``cpu``: per
     rank, CPU ms and context switches a step by kind of thread). Where a torchpipe schedule's rival (its
     schedule in pipelining) is measured too, ``vs_rival`` (and ``burst_vs_rival``) compare the two round by
-    round."""
+    round. Each torchpipe schedule also gets ``predicted_ms`` and ``predicted_round_ms``
+    (:func:`torchpipe.schedule.simulate`'s step from the costs measured on its map at set-up, and per round),
+    ``round_error``, ``map_communication_ms`` (the calibrated time of a message on its map: at set-up, the median
+    over rounds) and ``measured_on`` (that map: each stage's rank)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")

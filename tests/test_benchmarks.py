@@ -274,6 +274,10 @@ def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys
         # own): at set-up and over the rounds.
         assert (len(result.get("map_communication_ms", ())) == 2) == name.startswith("torchpipe"), name
         assert all(ms >= 0 for ms in result.get("map_communication_ms", ())), name
+    # Each on its own map: the loop's schedules from a measuring pipeline on the loop, not in the V.
+    assert figures["torchpipe looped_bfs"]["measured_on"] == [0, 1, 0, 1]
+    assert figures["torchpipe zbv"]["measured_on"] == figures["torchpipe auto-4"]["measured_on"] == [0, 1, 1, 0]
+    assert figures["torchpipe 1f1b"]["measured_on"] == [0, 1]
     assert figures["torchpipe auto"]["communication_ms"] >= 0 and figures["torchpipe auto"]["measured_costs_ms"]
     assert figures["torchpipe auto"]["relayout_ms"] > 0, "its first step's messages waited for their layouts"
     assert figures["torchpipe auto-4"]["may_choose"] == ["zbv"], "dualpipev holds more than 1F1B"

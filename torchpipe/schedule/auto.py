@@ -22,15 +22,17 @@ included, in that span), and the choice charges it to every hop. What only
 the first step's messages pay is left out of it: across processes no rank
 knows yet the layout of what it receives, so each message waits after its
 header for a trip more (see [Note: expected layouts]), which the transport
-times. That trip starts when the receiver reads the header, which is when
-its action asks for the message, so the action pays it even where the
-message came early, which a hop's time would not (:func:`with_trips`: the
-simulated measuring step charges each action the mean trip per message it
-receives from another worker). Taken as a part of each hop's time instead
-(one mean trip a hop), they had the first step of the V and of the loop
-calibrate 1.7 to 2.8 ms above what later steps find (1.1 to 2.9 ms), on 2
-gloo ranks; so charged, 10 of 12 first steps came within -0.8 and +0.3 ms
-of it (``benchmarks/README.md``, the nineteenth session). From
+times. That trip starts when the receiver reads the header, which is
+mostly when its action asks for the message, so the action pays it even
+where the message came early, which a hop's time would not (:func:`with_trips`:
+the simulated measuring step charges each action the mean trip per message
+it receives from another worker; a peer's first message of a step, which a
+receiving thread takes as it comes, is charged alike). Taken as a part of
+each hop's time instead (one mean trip a hop), the trips had the first step
+of the V and of the loop calibrate a median 2.4 ms (0.8 to 3.2) above what
+the same pipeline's later steps find (1.4 to 3.3 ms), on 2 gloo ranks;
+charged per message, 0.5 ms (-0.9 to 2.0), from the same 16 first steps
+(``benchmarks/README.md``, the nineteenth session). From
 these costs :func:`choose`
 simulates every built-in schedule of the placement (the stages are placed
 on the workers, or ranks, once: the schedules that share one map; for two
@@ -51,11 +53,12 @@ its size (each hop is charged the same), split graphs that live longer.
 import logging
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import cost_function, dependencies, simulate
 from torchpipe.schedule.generate import (
+    NAMES,
     SPLITTING,
     V_SHAPED,
     build,
@@ -94,38 +97,93 @@ def placement_names(stages: int, workers: int) -> List[str]:
     return names
 
 
-def one_map(names: Sequence[str], stages: int, workers: int) -> List[str]:
-    """``names`` as a list, checked: built-in schedules that all place ``stages`` on ``workers`` with one
-    stage-to-worker map (``placement_names(stages, workers)``'s or, for two stages per worker, the loop's:
-    ``['interleaved_zero_bubble', 'interleaved_1f1b', 'looped_bfs']``, which ``'auto'`` leaves out there, since
-    they hold more than 1F1B); ``ValueError`` saying which differ."""
+def one_map(names: Iterable[str], stages: int, workers: int) -> List[str]:
+    """Checks that the built-in schedules ``names`` all place ``stages`` on ``workers`` with one stage-to-worker
+    map, as ``'auto'`` chooses among (:func:`placement_names`; for two stages per worker, also the loop's, which
+    ``'auto'`` leaves out there, since they hold more than 1F1B).
+
+    Args:
+        names: names of :data:`~torchpipe.schedule.NAMES`, each once.
+        stages: the number of stages.
+        workers: the number of workers (or ranks).
+
+    Returns:
+        ``names`` as a list.
+
+    Raises:
+        TypeError: ``names`` is one string.
+        ValueError: every problem at once (none named, a repeat, an unknown name, one that does not fit or runs
+            on another number of workers, two maps), with the built-in schedules of each map that fits.
+
+    Example::
+
+        >>> one_map(["interleaved_zero_bubble", "looped_bfs"], 4, 2)
+        ['interleaved_zero_bubble', 'looped_bfs']
+    """
+    if isinstance(names, str):
+        raise TypeError(f"names takes a list of schedule names, got the string {names!r}: write [{names!r}]")
     names = list(names)
+    if stages < 1 or workers < 1:
+        raise ValueError(f"schedules need at least one stage and one worker, got {stages} stages on {workers} workers")
+    problems: List[str] = []
     if not names:
-        raise ValueError("no schedule to choose among: name at least one built-in schedule")
-    built = {name: build(name, 2 * workers, stages, workers) for name in names}
-    elsewhere = [name for name, schedule in built.items() if schedule.num_workers != workers]
-    if elsewhere:
-        raise ValueError(f"{elsewhere[0]!r} runs {stages} stages on {built[elsewhere[0]].num_workers} workers, not "
-                         f"{workers}: choose among schedules for {workers} workers")
-    maps = {name: schedule.stage_workers for name, schedule in built.items()}
-    differ = [name for name in names if maps[name] != maps[names[0]]]
-    if differ:
-        raise ValueError(
-            f"the schedules to choose among must place the {stages} stages on the {workers} workers alike, but "
-            f"{names[0]!r} puts them on workers {list(maps[names[0]])} and {differ[0]!r} on {list(maps[differ[0]])}"
-        )
+        problems.append("none named")
+    repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
+    if repeated:
+        problems.append(f"{', '.join(map(repr, repeated))} named more than once")
+    maps: Dict[Tuple[int, ...], List[str]] = {}
+    for name in dict.fromkeys(names):
+        if name not in NAMES:
+            problems.append(f"{name!r} is not a built-in schedule ({', '.join(map(repr, NAMES))})")
+            continue
+        try:
+            schedule = build(name, 2 * workers, stages, workers)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        if schedule.num_workers != workers:
+            problems.append(f"{name!r} runs {stages} stages on {schedule.num_workers} workers, not {workers}")
+        else:
+            maps.setdefault(schedule.stage_workers, []).append(name)
+    if len(maps) > 1:
+        problems.append("they place the stages on the workers differently: " + "; ".join(
+            f"{', '.join(map(repr, placed))} on workers {list(where)}" for where, placed in maps.items()))
+    if problems:
+        fitting = "; ".join(f"{placed} (workers {list(stage_workers)})"
+                            for stage_workers, placed in _by_map(stages, workers).items())
+        raise ValueError(f"names={names!r} for {stages} stages on {workers} workers: " + "; ".join(problems)
+                         + f". The built-in schedules of one map here: {fitting or 'none'}")
     return names
 
 
-def candidates(stages: int, workers: int, *, splitting: bool = True, names: Optional[Sequence[str]] = None
+def _by_map(stages: int, workers: int) -> Dict[Tuple[int, ...], List[str]]:
+    """The built-in schedules that run ``stages`` on ``workers``, grouped by their stage-to-worker map."""
+    maps: Dict[Tuple[int, ...], List[str]] = {}
+    for name in NAMES:
+        try:
+            schedule = build(name, 2 * workers, stages, workers)
+        except ValueError:
+            continue
+        if schedule.num_workers == workers:
+            maps.setdefault(schedule.stage_workers, []).append(name)
+    return maps
+
+
+def candidates(stages: int, workers: int, *, splitting: bool = True, names: Optional[Iterable[str]] = None
                ) -> List[str]:
     """``names`` (default: :func:`placement_names`; see :func:`one_map`), less those that split backwards without
     ``splitting``; ``ValueError`` if none."""
     placed = placement_names(stages, workers) if names is None else one_map(names, stages, workers)
     kept = [name for name in placed if splitting or name not in SPLITTING]
     if not kept and names is not None:
-        raise ValueError(f"every one of {placed} splits the backward, which needs "
-                         "torch.autograd.graph.GradientEdge (this torch lacks it); name one that does not")
+        whole = [name for name in _by_map(stages, workers).get(build(placed[0], 2 * workers, stages,
+                                                                       workers).stage_workers, [])
+                 if name not in SPLITTING]
+        raise ValueError(
+            f"every one of {placed} splits the backward, which needs torch.autograd.graph.GradientEdge (this torch "
+            "lacks it); " + (f"name one that does not on the same map ({whole}), or upgrade PyTorch" if whole
+                             else "no built-in schedule of that map runs without it: upgrade PyTorch")
+        )
     if not kept:
         raise ValueError(
             f"schedule='auto' places {stages} stages on {workers} workers in a V, whose schedules split the "
@@ -170,7 +228,7 @@ class Choice:
 
 def choose(
     stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True,
-    communication: float = 0.0, names: Optional[Sequence[str]] = None,
+    communication: float = 0.0, names: Optional[Iterable[str]] = None,
 ) -> Choice:
     """The fastest built-in schedule of the placement for ``costs(stage, kind)`` within 1F1B's memory.
 
@@ -238,10 +296,32 @@ def calibrate(schedule: Schedule, costs: Callable[[Action], float], span: float)
 
 
 def with_trips(schedule: Schedule, costs: Callable[[Action], float], trip: float) -> Callable[[Action], float]:
-    """``costs`` with ``trip`` more for every message from another worker each action of ``schedule`` waits for:
-    a message whose layout its receiver did not know crosses in a trip more, which starts once the receiver asks
-    for it (its tensors' receives are posted after its header was read), so the action pays it whenever its
-    message came, unlike the hop's own time, which a message sent early hides (see [Note: auto schedule])."""
+    """``costs`` with ``trip`` more for every message from another worker that each action of ``schedule`` waits
+    for (see [Note: auto schedule]).
+
+    A message whose layout its receiver did not know (every message of a first step across processes) crosses in
+    a trip more: its tensors' receives are posted once its header was read, and the header is read when the
+    receiving action asks for it, so the action pays the trip even where the message came early, which a hop's
+    own time would not. Not so exactly: each peer's first message of a step is taken by a receiving thread as it
+    arrives (an early one hides its trip), and an action that asks for a message takes the ones its peer sent
+    before it first; the extra messages of skips and tied copies are not counted here (their trips stay in the
+    calibrated hop).
+
+    Args:
+        schedule: the measuring step as it ran.
+        costs: each action's own measured time.
+        trip: the mean trip of a message (0 in one process: ``costs`` as they are).
+
+    Returns:
+        Each action's cost with its messages' trips.
+
+    Example::
+
+        >>> from torchpipe.schedule import Action, Kind, one_f_one_b
+        >>> charged = with_trips(one_f_one_b(2, 2), lambda action: 1.0, 0.5)
+        >>> [charged(Action(s, kind, 0)) for s, kind in [(0, Kind.FORWARD), (1, Kind.FORWARD), (0, Kind.BACKWARD)]]
+        [1.0, 1.5, 1.5]
+    """
     if not trip:
         return costs
     present = frozenset(schedule.actions())
@@ -267,7 +347,7 @@ def typical(times: Sequence[float]) -> float:
 
 
 def measuring_schedule(stages: int, workers: int, microbatches: int, *, splitting: bool = True,
-                       names: Optional[Sequence[str]] = None) -> Schedule:
+                       names: Optional[Iterable[str]] = None) -> Schedule:
     """The first step's schedule, named ``'auto'``: the placement's split schedule with the backward of every
     even micro-batch whole (``B`` where its ``I`` was, no ``W``), so that one step times ``F``, ``B``, ``I`` and
     ``W`` of every stage (only ``F`` and ``B`` without ``splitting``, or with one micro-batch). With ``names``
@@ -289,13 +369,13 @@ class AutoTuner:
     (see [Note: auto schedule])."""
 
     def __init__(self, stages: int, workers: int, chunks: int, *, splitting: bool = True,
-                 names: Optional[Sequence[str]] = None) -> None:
-        # A placement with no built-in schedule, or names on several maps: ValueError now.
-        candidates(stages, workers, splitting=splitting, names=names)
-        self.stages, self.workers, self.chunks, self.splitting = stages, workers, chunks, splitting
+                 names: Optional[Iterable[str]] = None) -> None:
         #: The schedules it measures on the map of and chooses among (None: the placement's, see
         #: :func:`placement_names`).
-        self.names: Optional[List[str]] = None if names is None else list(names)
+        self.names: Optional[List[str]] = None if names is None else one_map(names, stages, workers)
+        # A placement with no built-in schedule, or none without splitting: ValueError now.
+        candidates(stages, workers, splitting=splitting, names=self.names)
+        self.stages, self.workers, self.chunks, self.splitting = stages, workers, chunks, splitting
         #: The typical measured cost of each (stage, kind), every rank's (:func:`typical`).
         self.costs: Dict[Tuple[int, Kind], float] = {}
         #: The seconds a message of the measuring step waited, after its header, for the trip its unknown layout
