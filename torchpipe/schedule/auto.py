@@ -131,26 +131,25 @@ def one_map(names: Iterable[str], stages: int, workers: int) -> List[str]:
     repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
     if repeated:
         problems.append(f"{', '.join(map(repr, repeated))} named more than once")
+    fits = _by_map(stages, workers)
+    where = {name: placed for placed, group in fits.items() for name in group}
     maps: Dict[Tuple[int, ...], List[str]] = {}
     for name in dict.fromkeys(names):
         if name not in NAMES:
             problems.append(f"{name!r} is not a built-in schedule ({', '.join(map(repr, NAMES))})")
-            continue
-        try:
-            schedule = build(name, 2 * workers, stages, workers)
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        if schedule.num_workers != workers:
-            problems.append(f"{name!r} runs {stages} stages on {schedule.num_workers} workers, not {workers}")
+        elif name not in where:  # why it does not fit here: the generator's error, or another number of workers
+            try:
+                problems.append(f"{name!r} runs {stages} stages on "
+                                f"{build(name, 2 * workers, stages, workers).num_workers} workers, not {workers}")
+            except ValueError as exc:
+                problems.append(str(exc))
         else:
-            maps.setdefault(schedule.stage_workers, []).append(name)
+            maps.setdefault(where[name], []).append(name)
     if len(maps) > 1:
         problems.append("they place the stages on the workers differently: " + "; ".join(
             f"{', '.join(map(repr, placed))} on workers {list(where)}" for where, placed in maps.items()))
     if problems:
-        fitting = "; ".join(f"{placed} (workers {list(stage_workers)})"
-                            for stage_workers, placed in _by_map(stages, workers).items())
+        fitting = "; ".join(f"{placed} (workers {list(stage_workers)})" for stage_workers, placed in fits.items())
         raise ValueError(f"names={names!r} for {stages} stages on {workers} workers: " + "; ".join(problems)
                          + f". The built-in schedules of one map here: {fitting or 'none'}")
     return names
