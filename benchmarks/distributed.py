@@ -107,7 +107,7 @@ FIXED_BURST = 10
 #: How far apart two schedules' measured steps must be for their order to count as measured, not noise: the goal's
 #: noise (issue 36's 3 %).
 NOISE = 0.03
-#: A cost per (stage, kind) in seconds, and the time of a message between ranks.
+#: A cost per (stage, kind) in seconds, and the time around each action (``'auto'``'s calibrated overhead).
 CostModel = Tuple[Callable[[int, Kind], float], float]
 
 
@@ -310,7 +310,7 @@ def rank_main(
                     result["measured_costs_ms"] = {f"{s}{kind.label}": cost * 1e3
                                                    for (s, kind), cost in sorted(tuner.costs.items())}
                     choice = _chosen(tuner)
-                    result["communication_ms"] = choice.communication * 1e3
+                    result["overhead_ms"] = choice.overhead * 1e3
                     result["relayout_ms"] = tuner.relayout * 1e3
                     # What it may choose: its placement's schedules within 1F1B's activations.
                     result["may_choose"] = [name for name, _, peak in choice.table if peak <= choice.limit]
@@ -322,9 +322,10 @@ def rank_main(
                                                                    round_costs.items()}) for r in range(rounds)]
                     result["predicted_round_ms"] = statistics.median(p for p in per_round if p) * 1e3
                     result["round_error"] = statistics.median(p / t - 1 for p, t in zip(per_round, times) if p)
-                    # The calibrated time of a message on the schedule's map: at set-up, the median over rounds.
+                    # The calibrated time around each action on the schedule's map: at set-up, the median over
+                    # rounds.
                     by = _measured_by(config[1])
-                    result["map_communication_ms"] = [first_costs[by][1] * 1e3,
+                    result["map_overhead_ms"] = [first_costs[by][1] * 1e3,
                                                       statistics.median(c for _, c in round_costs[by]) * 1e3]
                     result["measured_on"] = list(models_of[by].pipe.schedule.stage_workers)
             rival = RIVALS.get(config)
@@ -364,11 +365,11 @@ def _chosen(tuner: AutoTuner) -> Choice:
 
 
 def _cost_model(tuner: AutoTuner) -> CostModel:
-    """What ``tuner`` measured: each stage's cost of a kind and the calibrated time of a message between ranks,
+    """What ``tuner`` measured: each stage's cost of a kind and the calibrated time around each action,
     as they are now (a copy: its next measuring step leaves them as they are)."""
     measured = copy.copy(tuner)
     measured.costs = dict(tuner.costs)
-    return measured.cost, _chosen(tuner).communication
+    return measured.cost, _chosen(tuner).overhead
 
 
 def _measured_by(schedule: str) -> str:
@@ -385,8 +386,8 @@ def _predicted(schedule: Schedule, costs: Mapping[str, CostModel]) -> Optional[f
                       else "auto-4")
     if model is None:
         return None
-    cost, communication = model
-    return simulate(schedule, lambda a: cost(a.stage, a.kind), communication=communication).step_time
+    cost, overhead = model
+    return simulate(schedule, lambda a: cost(a.stage, a.kind) + overhead).step_time
 
 
 def _against(rival: Sequence[float], ours: Sequence[float]) -> Dict[str, Any]:
@@ -411,7 +412,7 @@ def measure(
     schedule in pipelining) is measured too, ``vs_rival`` (and ``burst_vs_rival``) compare the two round by
     round. Each torchpipe schedule also gets ``predicted_ms`` and ``predicted_round_ms``
     (:func:`torchpipe.schedule.simulate`'s step from the costs measured on its map at set-up, and per round),
-    ``round_error``, ``map_communication_ms`` (the calibrated time of a message on its map: at set-up, the median
+    ``round_error``, ``map_overhead_ms`` (the calibrated time around each action on its map: at set-up, the median
     over rounds) and ``measured_on`` (that map: each stage's rank)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
@@ -462,7 +463,7 @@ def _print_model(measured: Mapping[str, Dict[str, Any]], batch: int) -> None:
               f"all and of those measured more than {NOISE:.0%} apart: simulated {pairs('predicted_ms')}; per "
               f"round {pairs('predicted_round_ms')}. (simulated: from the costs a measuring pipeline on the "
               "schedule's own map (two stages, the V, the loop) took as 'auto' does on its first step at set-up: "
-              "F, B, I, W per stage and the calibrated time of a message; per round: from a measuring step of "
+              "F, B, I, W per stage and the calibrated time around each action; per round: from a measuring step of "
               "each in every round, each round's step against its own round's simulated one, the median over "
               "rounds)")
     for name, r in measured.items():

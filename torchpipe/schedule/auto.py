@@ -11,27 +11,39 @@ backward whole, so that one step times each stage's ``F``, ``B``, ``I`` and
 of its micro-batches' after the first, which pays for what runs once: the
 least of them would be a lucky micro-batch's, and every schedule simulated
 from such costs runs faster than the machine will). What
-the actions' times do not explain is what the step spent between workers:
-a message's trip (between ranks, or handed between threads), the extra
-messages of skips and tied copies, a wait for a core. So the step's span
-(from each rank's first action to its last, the longest rank's) calibrates
-one more cost, the time a message takes from one worker to another
-(:func:`calibrate`: the ``communication`` for which :func:`simulate` runs
-the measuring step, each action at its own measured time, recomputations
-included, in that span), and the choice charges it to every hop. What only
+the actions' times do not explain is what a worker spent around them:
+handing a message on and taking one off the wire or the mailbox, being
+woken for it, a wait for a core that other threads (gloo's, the receiving
+ones) hold. So the step's span (from each rank's first action to its last,
+the longest rank's) calibrates one more cost, the time a worker spends
+around each action (:func:`calibrate_overhead`: the overhead for which
+:func:`simulate` runs the measuring step, each action at its own measured
+time, recomputations included, plus that overhead, in that span), and the
+choice adds it to every action's cost. Charged to each message between
+workers instead, as a hop's time (:func:`calibrate`, which it was until the
+twentieth session), the same unexplained time fit no one schedule: on 2
+gloo ranks, the hop that explained each schedule's own steps ranged from
+1.4 to 4.0 ms over the loop's three schedules (from 1.7 to 2.2 ms on the
+V), while the time per action ranged from 0.24 to 0.26 ms (0.18 to 0.20
+ms), and the steps of the loop's other schedules simulated from
+``interleaved_zero_bubble``'s were off by -3.8 to +2.3 % with a hop, -1.5
+to +0.9 % per action (``benchmarks/README.md``, the twentieth session). A
+network where a message's flight outlasts what the workers spend on it is
+what a hop's time models (``communication=`` of :func:`choose` and
+:func:`simulate`); none was measured here. What only
 the first step's messages pay is left out of it: across processes no rank
 knows yet the layout of what it receives, so each message waits after its
 header for a trip more (see [Note: expected layouts]), which the transport
 times. That trip starts when the receiver reads the header, which is
 mostly when its action asks for the message, so the action pays it even
-where the message came early, which a hop's time would not (:func:`with_trips`:
-the simulated measuring step charges each action the mean trip per message
-it receives from another worker; a peer's first message of a step, which a
-receiving thread takes as it comes, is charged alike). Taken as a part of
-each hop's time instead (one mean trip a hop), the trips had the first step
-of the V and of the loop calibrate a median 2.4 ms (0.8 to 3.2) above what
-the same pipeline's later steps find (1.4 to 3.3 ms), on 2 gloo ranks;
-charged per message, 0.5 ms (-0.9 to 2.0), from the same 16 first steps
+where the message came early (:func:`with_trips`: the simulated measuring
+step charges each action the mean trip per message it receives from
+another worker; a peer's first message of a step, which a receiving thread
+takes as it comes, is charged alike). Taken as a part of each hop's time
+instead (one mean trip a hop), the trips had the first step of the V and of
+the loop calibrate a hop a median 2.4 ms (0.8 to 3.2) above what the same
+pipeline's later steps find (1.4 to 3.3 ms), on 2 gloo ranks; charged per
+message, 0.5 ms (-0.9 to 2.0), from the same 16 first steps
 (``benchmarks/README.md``, the nineteenth session). From
 these costs :func:`choose`
 simulates every built-in schedule of the placement (the stages are placed
@@ -47,8 +59,9 @@ worker, say), the one that holds the fewest. Across processes every rank's
 costs are exchanged first, so every rank simulates the same and picks the
 same. Loss and gradients are the plain module's at every step, the
 measuring ones included (any valid schedule gives them). The simulation
-still leaves out what one number per hop cannot say: a message's time by
-its size (each hop is charged the same), split graphs that live longer.
+still leaves out what one number per action cannot say: a message's time by
+its size, an action's cost by what ran before it (a ``W`` long after its
+``I``, say).
 """
 import logging
 import statistics
@@ -70,8 +83,8 @@ from torchpipe.schedule.generate import (
 from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
-__all__ = ["Choice", "choose", "calibrate", "candidates", "placement_names", "one_map", "measuring_schedule",
-           "typical", "with_trips", "AutoTuner"]
+__all__ = ["Choice", "choose", "calibrate", "calibrate_overhead", "candidates", "placement_names", "one_map",
+           "measuring_schedule", "typical", "with_trips", "AutoTuner"]
 
 logger = logging.getLogger("torchpipe")
 
@@ -216,7 +229,9 @@ class Choice:
     limit: int
     #: The time a message takes between workers that the simulations charged (see :func:`calibrate`).
     communication: float = 0.0
-    #: The measured costs it chose by, per action (the default costs where None).
+    #: The time around each action that the simulations added to its cost (see :func:`calibrate_overhead`).
+    overhead: float = 0.0
+    #: The costs it chose by, per action, the overhead included (the default costs where None).
     costs: Optional[Callable[[Action], float]] = field(default=None, repr=False, compare=False)
 
     def build(self, microbatches: int, stages: int, workers: int) -> Schedule:
@@ -227,13 +242,14 @@ class Choice:
 
 def choose(
     stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True,
-    communication: float = 0.0, names: Optional[Iterable[str]] = None,
+    communication: float = 0.0, overhead: float = 0.0, names: Optional[Iterable[str]] = None,
 ) -> Choice:
     """The fastest built-in schedule of the placement for ``costs(stage, kind)`` within 1F1B's memory.
 
     ``splitting`` False leaves out the schedules that split backwards; ``communication`` is added to every
-    dependency on another worker's action (a message's time); ``names`` chooses among those schedules instead
-    of the placement's (all on one map: :func:`one_map`). Pure: the same costs give the same choice.
+    dependency on another worker's action (a message's time), ``overhead`` to every action's cost (the time a
+    worker spends around it: :func:`calibrate_overhead`); ``names`` chooses among those schedules instead of the
+    placement's (all on one map: :func:`one_map`). Pure: the same costs give the same choice.
 
     Example::
 
@@ -246,12 +262,15 @@ def choose(
     table: List[Tuple[str, float, int]] = []
     split: Optional[List[bool]] = None
 
+    def charged(stage: int, kind: Kind) -> float:
+        return costs(stage, kind) + overhead
+
     def cost(action: Action) -> float:
-        return costs(action.stage, action.kind)
+        return charged(action.stage, action.kind)
 
     for name in candidates(stages, workers, splitting=splitting, names=names):
         if name == "zero_bubble":
-            split = choose_split(microbatches, stages, costs)
+            split = choose_split(microbatches, stages, charged)
         run = simulate(_build(name, microbatches, stages, workers, split, cost, communication), cost,
                        communication=communication)
         table.append((name, run.step_time, max(run.peak_activations)))
@@ -260,13 +279,16 @@ def choose(
         best = min(fitting, key=lambda row: row[1])  # the first of equal steps: the list's preference
     else:
         best = min(table, key=lambda row: (row[2], row[1]))
-    return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication, cost)
+    return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication, overhead,
+                  cost)
 
 
 def calibrate(schedule: Schedule, costs: Callable[[Action], float], span: float) -> float:
     """The time a message between workers takes, as measured: the ``communication`` (at least 0) for which
     :func:`simulate` runs ``schedule`` with ``costs`` (each action's measured time) in ``span``, the measured
-    step's span (0 where the actions alone take as long, or where none waits for another worker's).
+    step's span (0 where the actions alone take as long, or where none waits for another worker's). A
+    Pipeline's ``'auto'`` charges what its actions leave out to each action instead (:func:`calibrate_overhead`,
+    see [Note: auto schedule]).
 
     Example::
 
@@ -276,16 +298,37 @@ def calibrate(schedule: Schedule, costs: Callable[[Action], float], span: float)
         >>> round(calibrate(one_f_one_b(4, 2), cost, measured), 6)
         0.25
     """
+    return _solve(lambda communication: simulate(schedule, costs, communication=communication).step_time, span)
 
-    def step(communication: float) -> float:
-        return simulate(schedule, costs, communication=communication).step_time
 
+def calibrate_overhead(schedule: Schedule, costs: Callable[[Action], float], span: float) -> float:
+    """The time a worker spends around each action that ``costs`` (each action's measured time) leave out: the
+    overhead (at least 0) which, added to every action's cost, has :func:`simulate` run ``schedule`` in ``span``,
+    the measured step's span from its first action's start to its last one's end (0 where the actions alone take
+    as long). The span holds one overhead less than the simulated step: the one around its last action. See
+    [Note: auto schedule] for why this, not a message's time (:func:`calibrate`), is what ``'auto'`` charges.
+
+    Example::
+
+        >>> from torchpipe.schedule import Kind, one_f_one_b, simulate
+        >>> cost = lambda action: 2.0 if action.kind is Kind.BACKWARD else 1.0
+        >>> measured = simulate(one_f_one_b(4, 2), lambda action: cost(action) + 0.125).step_time - 0.125
+        >>> round(calibrate_overhead(one_f_one_b(4, 2), cost, measured), 6)
+        0.125
+    """
+    return _solve(lambda overhead: simulate(schedule, lambda action: costs(action) + overhead).step_time - overhead,
+                  span)
+
+
+def _solve(step: Callable[[float], float], span: float) -> float:
+    """The charge (at least 0, at most ``span``) for which ``step(charge)``, which grows with it, is ``span``; 0
+    where nothing is left to charge (``step(0)`` already takes ``span``, or no charge reaches it)."""
     if span <= step(0.0):
         return 0.0
     low, high = 0.0, span
-    if step(high) < span:  # no hop on the way: nothing to charge
+    if step(high) < span:  # nothing on the way that the charge lengthens
         return 0.0
-    for _ in range(50):  # the step time grows with the hop's time: bisection
+    for _ in range(50):  # bisection
         middle = (low + high) / 2
         if step(middle) < span:
             low = middle
@@ -303,8 +346,8 @@ def with_trips(schedule: Schedule, costs: Callable[[Action], float], trip: float
     receiving action asks for it, so the action pays the trip even where the message came early, which a hop's
     own time would not. Not so exactly: each peer's first message of a step is taken by a receiving thread as it
     arrives (an early one hides its trip), and an action that asks for a message takes the ones its peer sent
-    before it first; the extra messages of skips and tied copies are not counted here (their trips stay in the
-    calibrated hop).
+    before it first; the extra messages of skips and tied copies are not counted here (their trips stay in what
+    :func:`calibrate_overhead` spreads over every action).
 
     Args:
         schedule: the measuring step as it ran.
@@ -378,7 +421,8 @@ class AutoTuner:
         #: The typical measured cost of each (stage, kind), every rank's (:func:`typical`).
         self.costs: Dict[Tuple[int, Kind], float] = {}
         #: The seconds a message of the measuring step waited, after its header, for the trip its unknown layout
-        #: cost (the mean over every rank's; 0 in one process), left out of the time charged to a hop.
+        #: cost (the mean over every rank's; 0 in one process), charged to the actions that received such messages
+        #: (:func:`with_trips`), not to every action.
         self.relayout = 0.0
         self.choice: Optional[Choice] = None
 
@@ -423,19 +467,19 @@ class AutoTuner:
                 durations[key] = list(values[k + 3 : k + 3 + count])
                 k += 3 + count
         self.costs = {key: typical(values) for key, values in durations.items() if key[1] is not Kind.RECOMPUTE}
-        # Each message of the measuring step crossed in the time of a hop and, its layout unknown, a trip more,
-        # measured (none in one process): later steps' messages take no such trip.
+        # Each message of the measuring step, its layout unknown, took a trip more, measured (none in one process):
+        # later steps' messages take no such trip. What is left of the span the workers spent around each action.
         self.relayout = relayout = relayout_seconds / relayout_count if relayout_count else 0.0
         schedule, own = self._measured_step(durations)
-        communication = calibrate(schedule, with_trips(schedule, own, relayout), max(spans, default=0.0))
+        overhead = calibrate_overhead(schedule, with_trips(schedule, own, relayout), max(spans, default=0.0))
         choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
-                                      communication=communication, names=self.names)
+                                      overhead=overhead, names=self.names)
         steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
                           for name, step, peak in choice.table)
         logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
-                    "from the measured costs and %.3g a message between workers, the first step's trip of %.3g a "
-                    "message for its layout aside: %s; at most %d activations per worker)", choice.name,
-                    self.stages, self.workers, self.chunks, communication, relayout, steps, choice.limit)
+                    "from the measured costs and %.3g around each action, the first step's trip of %.3g a message for "
+                    "its layout aside: %s; at most %d activations per worker)", choice.name, self.stages,
+                    self.workers, self.chunks, overhead, relayout, steps, choice.limit)
         return True
 
     def _measured_step(
