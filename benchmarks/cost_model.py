@@ -137,8 +137,9 @@ def typical_costs(step: Step) -> Callable[[Action], float]:
 
 
 def analyse(ranks: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Per schedule: its median span, the hop and the time per action that explain each of its steps, and the
-    median error of its steps predicted both ways from the same round's step of its map's first schedule."""
+    """Per schedule: its median span and work (its actions' times summed, per rank), the hop and the time per
+    action that explain each of its steps, and the median error of its steps predicted both ways from the same
+    round's step of its map's first schedule."""
     results: Dict[str, Dict[str, Any]] = {}
     for placed, names in MAPS.items():
         schedules = {name: Schedule.from_lists(ranks[0]["schedules"][name]) for name in names}
@@ -157,6 +158,8 @@ def analyse(ranks: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
                 per_action.append((simulate(schedules[name], charged).step_time - overhead) / target[1] - 1)
             results[name] = {
                 "map": placed, "step_ms": statistics.median(span for _, span in steps[name]) * 1e3,
+                # What the actions themselves took, per rank: less where a stage's actions run back to back.
+                "work_ms": statistics.median(sum(times.values()) for times, _ in steps[name]) / 2 * 1e3,
                 "hop_ms": [statistics.median(h for h, _ in found) * 1e3, min(h for h, _ in found) * 1e3,
                            max(h for h, _ in found) * 1e3],
                 "per_action_ms": [statistics.median(a for _, a in found) * 1e3, min(a for _, a in found) * 1e3,
@@ -199,14 +202,14 @@ def main() -> None:
     print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, {STAGES} stages, chunks {CHUNKS}, batch {args.batch}; "
           f"{args.rounds} rounds, a step of each schedule in turn")
     results = measure(args.batch, args.rounds)
-    rows = [[name, r["map"], r["step_ms"], _range(r["hop_ms"]), _range(r["per_action_ms"]), r["predicted_from"],
-             r["error_by_hop"], r["error_per_action"]] for name, r in results.items()]
-    print(format_table(["schedule", "map", "step ms", "hop ms: median (range)", "per action ms: median (range)",
-                        "predicted from", "error: hop", "error: per action"], rows))
-    print("(hop, per action: the one charge, alone, for which simulate runs each recorded step of the schedule, "
-          "each action at its recorded time, in its recorded span; error: the median over rounds of the step "
-          "simulated from the same round's step of the map's first schedule, its typical cost per (stage, kind) "
-          "and that step's charge, over the step recorded, less 1)")
+    rows = [[name, r["map"], r["step_ms"], r["work_ms"], _range(r["hop_ms"]), _range(r["per_action_ms"]),
+             r["predicted_from"], r["error_by_hop"], r["error_per_action"]] for name, r in results.items()]
+    print(format_table(["schedule", "map", "step ms", "work ms", "hop ms: median (range)",
+                        "per action ms: median (range)", "predicted from", "error: hop", "error: per action"], rows))
+    print("(work: the recorded actions' times summed, per rank; hop, per action: the one charge, alone, for which "
+          "simulate runs each recorded step of the schedule, each action at its recorded time, in its recorded "
+          "span; error: the median over rounds of the step simulated from the same round's step of the map's first "
+          "schedule, its typical cost per (stage, kind) and that step's charge, over the step recorded, less 1)")
     if args.json:
         save_json(args.json, {"batch": args.batch, "rounds": args.rounds, "results": results,
                               "machine": machine_description()})

@@ -22,12 +22,12 @@ time, recomputations included, plus that overhead, in that span), and the
 choice adds it to every action's cost. Charged to each message between
 workers instead, as a hop's time (:func:`calibrate`, which it was until the
 twentieth session), the same unexplained time fit no one schedule: on 2
-gloo ranks, the hop that explained each schedule's own steps ranged from
-1.4 to 4.0 ms over the loop's three schedules (from 1.7 to 2.2 ms on the
-V), while the time per action ranged from 0.24 to 0.26 ms (0.18 to 0.20
-ms), and the steps of the loop's other schedules simulated from
-``interleaved_zero_bubble``'s were off by -3.8 to +2.3 % with a hop, -1.5
-to +0.9 % per action (``benchmarks/README.md``, the twentieth session). A
+gloo ranks at batch 1024 (``benchmarks/cost_model.py``, two runs), the hop
+that explained each of the loop's three schedules' own steps was a median
+2.6 to 3.5 ms for two of them and 7.5 and 7.9 ms for ``looped_bfs``, the
+time per action 0.41 to 0.53 ms; from ``interleaved_zero_bubble``'s steps,
+the loop's steps were predicted within -3.7 to 0.0 % per action, -7.0 to
++3.5 % with a hop (``benchmarks/README.md``, the twentieth session). A
 network where a message's flight outlasts what the workers spend on it is
 what a hop's time models (``communication=`` of :func:`choose` and
 :func:`simulate`); none was measured here. What only
@@ -59,9 +59,13 @@ worker, say), the one that holds the fewest. Across processes every rank's
 costs are exchanged first, so every rank simulates the same and picks the
 same. Loss and gradients are the plain module's at every step, the
 measuring ones included (any valid schedule gives them). The simulation
-still leaves out what one number per action cannot say: a message's time by
-its size, an action's cost by what ran before it (a ``W`` long after its
-``I``, say).
+still leaves out what one cost per (stage, kind) cannot say: a message's
+time by its size, an action's cost by what ran before it. ``looped_bfs``
+runs a stage's actions back to back, its weights still in the caches: at
+batch 256 on 2 gloo ranks its actions took 12 % less time than
+``interleaved_zero_bubble``'s, and the simulation, from the costs of a
+measuring step that alternates stages, had its steps 2 to 11 % slower than
+they ran (``benchmarks/README.md``, the twentieth session).
 """
 import logging
 import statistics
