@@ -249,9 +249,9 @@ def test_what_the_actions_leave_out_is_charged_per_action_not_per_hop() -> None:
     # messages' hops. Simulated from each schedule's own steps (benchmarks/cost_model.py, batch 1024, two runs),
     # the hop that explained them was a median 2.6 to 3.5 ms for two of the loop's three schedules, 7.5 and 7.9
     # ms for looped_bfs, the time per action 0.41 to 0.53 ms; from interleaved_zero_bubble's steps the loop's
-    # were predicted within -3.7 to 0.0 % per action, -7.0 to +3.5 % with a hop. Here the steps take a time per action, as measured: the hop
-    # calibrated on the measuring step mispredicts the loop's other schedules, the overhead per action predicts
-    # each.
+    # were predicted within -3.7 to 0.0 % per action, -7.0 to +3.5 % with a hop. Here the steps take a time per
+    # action, as measured: the hop calibrated on the measuring step mispredicts the loop's other schedules, the
+    # overhead per action predicts each.
     cost = {F: 1.0, B: 2.2, BI: 1.0, BW: 1.3}
     around = 0.08
     stages, workers, microbatches = 4, 2, 8
