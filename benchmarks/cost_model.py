@@ -52,7 +52,7 @@ from benchmarks.harness.processes import free_port, rank_environment, run_ranks 
 from benchmarks.harness.timing import rotated  # noqa: E402
 from torchpipe.schedule import Action, Kind, Schedule, simulate  # noqa: E402
 from torchpipe.schedule.actions import parse  # noqa: E402
-from torchpipe.schedule.auto import calibrate, calibrate_overhead, typical  # noqa: E402
+from torchpipe.schedule.auto import AutoTuner, calibrate, calibrate_overhead, typical  # noqa: E402
 
 #: Each map's schedules, the one 'auto' measures on first.
 MAPS: Dict[str, List[str]] = {
@@ -119,21 +119,13 @@ def charges(schedule: Schedule, step: Step) -> Tuple[float, float]:
 
 def typical_costs(step: Step) -> Callable[[Action], float]:
     """What ``'auto'`` takes from a measured step: each (stage, kind)'s :func:`typical` time, in micro-batch
-    order; a kind the step did not run from the others (``B`` as ``I + W``, ``I`` and ``W`` as half ``B``)."""
+    order, and a kind the step did not run from the others (:meth:`AutoTuner.cost`)."""
     by: Dict[Tuple[int, Kind], List[Tuple[int, float]]] = {}
     for action, seconds in step[0].items():
         by.setdefault((action.stage, action.kind), []).append((action.microbatch, seconds))
-    cost = {key: typical([seconds for _, seconds in sorted(values)]) for key, values in by.items()}
-
-    def of(action: Action) -> float:
-        key = (action.stage, action.kind)
-        if key in cost:
-            return cost[key]
-        if action.kind is Kind.BACKWARD:
-            return cost[(action.stage, Kind.BACKWARD_INPUT)] + cost[(action.stage, Kind.BACKWARD_WEIGHT)]
-        return cost[(action.stage, Kind.BACKWARD)] / 2
-
-    return of
+    tuner = AutoTuner(STAGES, 2, CHUNKS)  # its costs only
+    tuner.costs = {key: typical([seconds for _, seconds in sorted(values)]) for key, values in by.items()}
+    return lambda action: tuner.cost(action.stage, action.kind)
 
 
 def analyse(ranks: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:

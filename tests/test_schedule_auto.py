@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.test_pipeline import model_for, mse
 from torchpipe import Pipeline
 from torchpipe.runtime.step import Timings
-from torchpipe.schedule import Action, Kind, auto, build, merge_backwards, simulate, validate
+from torchpipe.schedule import Action, Kind, auto, build, measured, merge_backwards, simulate, validate
 from torchpipe.schedule.auto import (
     AutoTuner,
     calibrate,
@@ -149,8 +149,9 @@ def test_names_are_checked_once_and_say_what_else_runs() -> None:
         AutoTuner(4, 2, 8, splitting=False, names=["zbv"])
 
 
-def test_the_docstring_examples_hold() -> None:
-    failures, tried = doctest.testmod(auto, optionflags=doctest.NORMALIZE_WHITESPACE)
+@pytest.mark.parametrize("module", [auto, measured], ids=lambda module: module.__name__)
+def test_the_docstring_examples_hold(module: object) -> None:
+    failures, tried = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert tried > 0 and failures == 0
 
 
