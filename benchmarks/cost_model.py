@@ -136,30 +136,33 @@ def analyse(ranks: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
     for placed, names in MAPS.items():
         schedules = {name: Schedule.from_lists(ranks[0]["schedules"][name]) for name in names}
         steps = {name: steps_of(ranks, name) for name in names}
+        found = {name: [charges(schedules[name], step) for step in steps[name]] for name in names}
         base = names[0]
+        # Per round, what 'auto' takes from the base's step: its typical costs, and its charges (found above).
+        models = [(typical_costs(step), hop, overhead) for step, (hop, overhead) in zip(steps[base], found[base])]
         for name in names:
-            found = [charges(schedules[name], step) for step in steps[name]]
             by_hop: List[float] = []
             per_action: List[float] = []
-            for measured, target in zip(steps[base], steps[name]):
-                cost = typical_costs(measured)
-                hop, overhead = charges(schedules[base], measured)
-                by_hop.append(simulate(schedules[name], cost, communication=hop).step_time / target[1] - 1)
+            for (cost, hop, overhead), (_, span) in zip(models, steps[name]):
+                by_hop.append(simulate(schedules[name], cost, communication=hop).step_time / span - 1)
                 charged = lambda a, cost=cost, overhead=overhead: cost(a) + overhead  # noqa: E731
                 # The recorded span ends with the last action: one overhead less than the simulated step.
-                per_action.append((simulate(schedules[name], charged).step_time - overhead) / target[1] - 1)
+                per_action.append((simulate(schedules[name], charged).step_time - overhead) / span - 1)
             results[name] = {
                 "map": placed, "step_ms": statistics.median(span for _, span in steps[name]) * 1e3,
                 # What the actions themselves took, per rank: less where a stage's actions run back to back.
                 "work_ms": statistics.median(sum(times.values()) for times, _ in steps[name]) / 2 * 1e3,
-                "hop_ms": [statistics.median(h for h, _ in found) * 1e3, min(h for h, _ in found) * 1e3,
-                           max(h for h, _ in found) * 1e3],
-                "per_action_ms": [statistics.median(a for _, a in found) * 1e3, min(a for _, a in found) * 1e3,
-                                  max(a for _, a in found) * 1e3],
+                "hop_ms": _spread([hop for hop, _ in found[name]]),
+                "per_action_ms": _spread([overhead for _, overhead in found[name]]),
                 "predicted_from": base, "error_by_hop": statistics.median(by_hop),
                 "error_per_action": statistics.median(per_action),
             }
     return results
+
+
+def _spread(seconds: Sequence[float]) -> List[float]:
+    """The median, least and most of ``seconds``, in milliseconds."""
+    return [statistics.median(seconds) * 1e3, min(seconds) * 1e3, max(seconds) * 1e3]
 
 
 def measure(batch: int, rounds: int, timeout: float = 600.0, layers: int = LAYERS,

@@ -326,7 +326,7 @@ def rank_main(
                     # rounds.
                     by = _measured_by(config[1])
                     result["map_overhead_ms"] = [first_costs[by][1] * 1e3,
-                                                      statistics.median(c for _, c in round_costs[by]) * 1e3]
+                                                 statistics.median(c for _, c in round_costs[by]) * 1e3]
                     result["measured_on"] = list(models_of[by].pipe.schedule.stage_workers)
             rival = RIVALS.get(config)
             if rival in pipe_times:  # the same schedule's steps in pipelining, round by round

@@ -3,6 +3,7 @@ Pipeline that runs the choice with the plain module's loss and gradients from it
 import copy
 import doctest
 import logging
+from typing import Callable
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from tests.test_pipeline import model_for, mse
 from torchpipe import Pipeline
 from torchpipe.runtime.step import Timings
-from torchpipe.schedule import Action, Kind, auto, build, measured, merge_backwards, simulate, validate
+from torchpipe.schedule import Action, Kind, Schedule, auto, build, measured, merge_backwards, simulate, validate
 from torchpipe.schedule.auto import (
     AutoTuner,
     calibrate,
@@ -207,6 +208,16 @@ def test_every_rank_decides_from_every_ranks_costs() -> None:
     assert tuner.choice == choose(2, 2, 8, tuner.cost)
 
 
+def measured_step(schedule: Schedule, cost: Callable[[Action], float], span: float) -> Timings:
+    """The timings a measuring step of ``schedule`` would give: each action at ``cost``, in ``span``."""
+    timings = Timings()
+    for actions in schedule.workers:
+        for action in actions:
+            timings.setdefault((action.stage, action.kind), []).append(cost(action))
+    timings.spans[:] = [(0.0, span)]
+    return timings
+
+
 def test_the_time_around_each_action_is_calibrated_from_the_measured_span() -> None:
     # A step that took longer than its actions explain spent the rest around them (messages handed on and taken,
     # threads woken and sharing the cores): the choice adds that time to every action's cost, found by simulating
@@ -222,11 +233,7 @@ def test_the_time_around_each_action_is_calibrated_from_the_measured_span() -> N
     assert calibrate_overhead(measured, cost, span) == pytest.approx(truth, abs=1e-9)
     assert calibrate_overhead(measured, cost, 0.5) == 0.0, "a span the actions explain: nothing to charge"
     tuner = AutoTuner(4, 2, 8)
-    timings = Timings()
-    for actions in measured.workers:
-        for action in actions:
-            timings.setdefault((action.stage, action.kind), []).append(cost(action))
-    timings.spans[:] = [(0.0, span)]
+    timings = measured_step(measured, cost, span)
     tuner.record(timings)
     assert tuner.choice is not None and tuner.choice.overhead == pytest.approx(truth, abs=1e-9)
     assert tuner.choice.communication == 0.0
@@ -265,12 +272,7 @@ def test_what_the_actions_leave_out_is_charged_per_action_not_per_hop() -> None:
     plain = lambda a: cost[a.kind]  # noqa: E731
     hop = calibrate(measured, plain, span)
     tuner = AutoTuner(stages, workers, microbatches, names=LOOP)
-    timings = Timings()
-    for actions in measured.workers:
-        for action in actions:
-            timings.setdefault((action.stage, action.kind), []).append(cost[action.kind])
-    timings.spans[:] = [(0.0, span)]
-    tuner.record(timings)
+    tuner.record(measured_step(measured, plain, span))
     assert tuner.choice is not None and tuner.choice.overhead == pytest.approx(around, abs=1e-9)
     errors = {}
     for name, step, _ in tuner.choice.table:
