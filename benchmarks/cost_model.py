@@ -24,6 +24,17 @@ the V), it predicts the other schedules' steps both ways, from that step's
 cost per (stage, kind) (:func:`~torchpipe.schedule.auto.typical`), as
 ``'auto'`` does, and prints each prediction's median error.
 
+A second table asks whether an action's cost depends on what ran before it
+on its worker. A *run* is a worker's actions of one stage and kind back to
+back (:func:`run_places`): ``looped_bfs`` runs each stage's forwards, then
+its backwards, in runs of ``chunks``; the measuring step's runs are two long
+at most. Per schedule it prints each action's time over its (stage, kind)'s
+typical time on the same round's step of the map's first schedule, by its
+place in its run (the first, the second, the third or later), and the error
+per action were each action's cost that typical time times its place's
+factor, the schedule's own (what no measuring step that holds no more than
+1F1B can tell).
+
 An action's time here is its recorded span in the timeline (from its
 message's arrival to its sends: the compute, wall clock), not the thread CPU
 time ``'auto'`` measures; both leave out the same things around the actions.
@@ -60,6 +71,9 @@ MAPS: Dict[str, List[str]] = {
     "V": ["zbv", "dualpipev"],
 }
 LAYERS, WIDTH, STAGES, CHUNKS, WARMUP = 16, 512, 4, 8, 3
+
+#: The places in a run of one stage's actions of one kind that the run table tells apart (:func:`run_places`).
+RUN_PLACES = ("first", "second", "later")
 
 #: One recorded step: each action's recorded time in seconds, and the step's span (first start to last end).
 Step = Tuple[Dict[Action, float], float]
@@ -117,6 +131,20 @@ def charges(schedule: Schedule, step: Step) -> Tuple[float, float]:
     return calibrate(schedule, own, span), calibrate_overhead(schedule, own, span)
 
 
+def run_places(schedule: Schedule) -> Dict[Action, int]:
+    """Each action's place in its worker's run of actions of one stage and kind back to back: 0 the first, 1 the
+    second, 2 the third or later (``looped_bfs`` runs a stage's forwards, then its backwards, in runs of
+    ``chunks``; the others run few actions of a stage and kind in a row)."""
+    places: Dict[Action, int] = {}
+    for actions in schedule.workers:
+        before = None
+        for action in actions:
+            same = before is not None and (before.stage, before.kind) == (action.stage, action.kind)
+            places[action] = min(places[before] + 1, len(RUN_PLACES) - 1) if same and before is not None else 0
+            before = action
+    return places
+
+
 def typical_costs(step: Step) -> Callable[[Action], float]:
     """What ``'auto'`` takes from a measured step: each (stage, kind)'s :func:`typical` time, in micro-batch
     order, and a kind the step did not run from the others (:meth:`AutoTuner.cost`)."""
@@ -141,13 +169,25 @@ def analyse(ranks: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
         # Per round, what 'auto' takes from the base's step: its typical costs, and its charges (found above).
         models = [(typical_costs(step), hop, overhead) for step, (hop, overhead) in zip(steps[base], found[base])]
         for name in names:
+            places = run_places(schedules[name])
+            # Each action's time over what the base's step of its round has for its (stage, kind), by its place.
+            ratios: List[List[float]] = [[] for _ in RUN_PLACES]
+            for (cost, _, _), (times, _) in zip(models, steps[name]):
+                for action, seconds in times.items():
+                    ratios[places[action]].append(seconds / cost(action))
+            factor = [statistics.median(values) if values else 1.0 for values in ratios]
+            scale = {action: factor[place] for action, place in places.items()}
             by_hop: List[float] = []
             per_action: List[float] = []
+            runs_known: List[float] = []
             for (cost, hop, overhead), (_, span) in zip(models, steps[name]):
                 by_hop.append(simulate(schedules[name], cost, communication=hop).step_time / span - 1)
                 charged = lambda a, cost=cost, overhead=overhead: cost(a) + overhead  # noqa: E731
                 # The recorded span ends with the last action: one overhead less than the simulated step.
                 per_action.append((simulate(schedules[name], charged).step_time - overhead) / span - 1)
+                # As if the simulation knew what each place in this schedule's runs costs (its own factors).
+                by_place = lambda a, cost=cost, o=overhead, scale=scale: cost(a) * scale[a] + o  # noqa: E731
+                runs_known.append((simulate(schedules[name], by_place).step_time - overhead) / span - 1)
             results[name] = {
                 "map": placed, "step_ms": statistics.median(span for _, span in steps[name]) * 1e3,
                 # What the actions themselves took, per rank: less where a stage's actions run back to back.
@@ -156,6 +196,9 @@ def analyse(ranks: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
                 "per_action_ms": _spread([overhead for _, overhead in found[name]]),
                 "predicted_from": base, "error_by_hop": statistics.median(by_hop),
                 "error_per_action": statistics.median(per_action),
+                "runs": {place: [statistics.median(values) if values else None, len(values)]
+                         for place, values in zip(RUN_PLACES, ratios)},
+                "error_runs_known": statistics.median(runs_known),
             }
     return results
 
@@ -178,6 +221,11 @@ def measure(batch: int, rounds: int, timeout: float = 600.0, layers: int = LAYER
 
 def _range(values: Sequence[float]) -> str:
     return f"{values[0]:.3f} ({values[1]:.3f}-{values[2]:.3f})"
+
+
+def _ratio(value: Sequence[Any]) -> str:
+    median, count = value
+    return "-" if median is None else f"{median:.3f} ({count})"
 
 
 def main() -> None:
@@ -205,6 +253,15 @@ def main() -> None:
           "simulate runs each recorded step of the schedule, each action at its recorded time, in its recorded "
           "span; error: the median over rounds of the step simulated from the same round's step of the map's first "
           "schedule, its typical cost per (stage, kind) and that step's charge, over the step recorded, less 1)")
+    runs = [[name] + [_ratio(r["runs"][place]) for place in RUN_PLACES] + [r["error_per_action"],
+                                                                          r["error_runs_known"]]
+            for name, r in results.items()]
+    print(format_table(["schedule"] + [f"time / typical: {place} in a run (actions)" for place in RUN_PLACES]
+                       + ["error: per action", "error: runs known"], runs))
+    print("(a run: a worker's actions of one stage and kind back to back; time / typical: the median of each "
+          "action's recorded time over the typical time of its (stage, kind) on the same round's step of the map's "
+          "first schedule, by its place in its run; runs known: the error per action were each action's cost that "
+          "typical time times its place's median here, this schedule's own)")
     if args.json:
         save_json(args.json, {"batch": args.batch, "rounds": args.rounds, "results": results,
                               "machine": machine_description()})
