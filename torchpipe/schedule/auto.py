@@ -60,12 +60,21 @@ costs are exchanged first, so every rank simulates the same and picks the
 same. Loss and gradients are the plain module's at every step, the
 measuring ones included (any valid schedule gives them). The simulation
 still leaves out what one cost per (stage, kind) cannot say: a message's
-time by its size, an action's cost by what ran before it. ``looped_bfs``
-runs a stage's actions back to back, its weights still in the caches: at
-batch 256 on 2 gloo ranks its actions took 12 % less time than
-``interleaved_zero_bubble``'s, and the simulation, from the costs of a
-measuring step that alternates stages, had its steps 2 to 11 % slower than
-they ran (``benchmarks/README.md``, the twentieth session).
+time by its size, an action's cost by what ran before it on its worker.
+``looped_bfs`` runs each stage's forwards, then its backwards, in runs of
+``chunks`` actions of one stage and kind: at batch 256 on 2 gloo ranks the
+third and later of a run took 0.88 to 0.94 of their (stage, kind)'s time on
+the measuring schedule, the first of a run 1.08 to 1.12, and the
+simulation had its steps up to 11 % slower than they ran; told each place's
+factor, its error came within 0.3 to 3.9 points of the loop's other
+schedules', from 2.8 to 9.1 (``benchmarks/cost_model.py``,
+``benchmarks/README.md``, the twenty-first session). The measuring step
+cannot tell that: its runs are no longer than there are workers, and the
+second of a run took 0.98 to 1.04 of the typical time, in ``looped_bfs`` as
+in the others. Nor does the choice need it:
+where ``looped_bfs``'s runs are longer than the workers (more micro-batches
+than workers), it holds more activations than the others, which ``'auto'``
+picks first.
 """
 import logging
 from dataclasses import dataclass, field, replace
