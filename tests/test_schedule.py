@@ -314,3 +314,35 @@ def test_peak_activations_count_a_pair_from_its_forwards_start_to_its_backwards_
     assert simulate(one_f_one_b(4, 2), UNIT).peak_activations == (2, 1)
     # A forward-only schedule holds every pair to the step's end.
     assert simulate(gpipe(3, 2).only([F]), UNIT).peak_activations == (3, 3)
+
+
+@given(st.integers(1, 8), st.integers(1, 4))
+def test_peak_activations_count_pairs_held_for_no_time(m: int, p: int) -> None:
+    # A stage whose actions cost nothing held its pairs for no time, and the count dropped them: GPipe's free last
+    # stage held m - 1, and with every cost 0 no worker held any, so choose()'s memory bound passed every schedule
+    # (found in review, issue 36). At one instant the worker's actions now count in their order.
+    free_last = lambda a: 0.0 if a.stage == p - 1 else 1.0  # noqa: E731
+    assert simulate(gpipe(m, p), free_last).peak_activations == (m,) * p
+    assert simulate(gpipe(m, p), lambda a: 0.0).peak_activations == (m,) * p
+    assert simulate(one_f_one_b(m, p), lambda a: 0.0).peak_activations == tuple(min(m, p - w) for w in range(p))
+
+
+def test_order_breaks_a_tie_in_start_by_end() -> None:
+    simulation = simulate(gpipe(2, 2), lambda a: (2.0 if a.stage == 0 else 1.0) if a.kind is F else 1.0)
+    assert [str(a) for a in simulation.order()[:3]] == ["0F0", "1F0", "0F1"]  # 1F0 ends first at the tie at 2
+
+
+def test_a_flat_list_of_actions_says_a_schedule_is_one_list_per_worker() -> None:
+    # A flat list was read as one list per worker, each string character by character: "not an action: '0'".
+    for flat in (["0F0", "0B0"], "0F0", [Action(0, F, 0)]):
+        with pytest.raises(ValueError, match=r"one list of actions per worker.*write \[\['0F0'"):
+            Schedule.from_lists(flat)  # type: ignore[arg-type]
+
+
+def test_a_v_for_too_few_workers_or_stages_says_what_fits() -> None:
+    with pytest.raises(ValueError, match="zbv needs at least 1 worker, got 0"):
+        build("zbv", 4, 2, 0)
+    with pytest.raises(ValueError, match=r"got 1 stages \(use an even number, at least 2: 2\)"):
+        build("zbv", 4, 1)
+    with pytest.raises(ValueError, match="at least 2: 2 or 4"):
+        build("dualpipev", 4, 3)

@@ -130,6 +130,14 @@ class Schedule:
         micro-batches is one more than the highest one named, unless given.
         The result is not validated: see :func:`torchpipe.schedule.validate`.
         """
+        lists = [lists] if isinstance(lists, str) else list(lists)
+        flat = [item for item in lists if isinstance(item, (str, Action))]
+        if flat:
+            raise ValueError(
+                f"a schedule is one list of actions per worker, got the action {flat[0]!r} where a worker's list "
+                f"belongs: write [[{', '.join(map(repr, map(str, flat[:3])))}{', ...' if len(flat) > 3 else ''}]] "
+                "for one worker, or one inner list per worker"
+            )
         workers = tuple(tuple(parse(a) for a in actions) for actions in lists)
         if stage_workers is None:
             found: Dict[int, int] = {}

@@ -283,15 +283,17 @@ def choose(
 
     for name in candidates(stages, workers, splitting=splitting, names=names):
         if name == "zero_bubble":
-            split = choose_split(microbatches, stages, charged)
+            split = choose_split(microbatches, stages, charged, communication=communication)
         run = simulate(_build(name, microbatches, stages, workers, split, cost, communication), cost,
                        communication=communication)
         table.append((name, run.step_time, max(run.peak_activations)))
     fitting = [row for row in table if row[2] <= limit]
-    if fitting:
-        best = min(fitting, key=lambda row: row[1])  # the first of equal steps: the list's preference
-    else:
-        best = min(table, key=lambda row: (row[2], row[1]))
+    if not fitting:  # the ones that hold the fewest
+        fitting = [row for row in table if row[2] == min(held for _, _, held in table)]
+    # The first of equal steps, the list's preference: equal within rounding (1F1B and GPipe on as many stages as
+    # micro-batches take one time, summed in two orders).
+    fastest = min(step for _, step, _ in fitting)
+    best = next(row for row in fitting if row[1] <= fastest * (1 + 1e-9))
     return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication, overhead,
                   cost)
 

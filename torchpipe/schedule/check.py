@@ -167,6 +167,8 @@ class Simulation:
     end: Dict[Action, float] = field(repr=False)
     #: The schedule's map from stage to worker.
     stage_workers: Tuple[int, ...] = field(default=(), repr=False)
+    #: Each action's place in its worker's list: the order of actions that take no time at one instant.
+    position: Dict[Action, int] = field(default_factory=dict, repr=False)
 
     @property
     def bubble(self) -> float:
@@ -183,29 +185,35 @@ class Simulation:
         ``W`` where the backward is split; to the step's end if it has neither):
         1F1B's worker ``w`` of ``p`` holds ``min(m, p - w)``, GPipe's every
         worker ``m``. A pair held until an instant and one held from it do not
-        overlap. Stages of different sizes count alike: weigh the count by the
-        stage's activation size where they differ.
+        overlap; at one instant the worker's actions count in their order, so a
+        pair held for no time (by actions that cost nothing) still counts.
+        Stages of different sizes count alike: weigh the count by the stage's
+        activation size where they differ.
         """
-        ends: Dict[Tuple[int, int], float] = {}
-        for action, end in self.end.items():
+        # Each pair's end, and where its worker's list runs what ends it: at one instant (actions that take no
+        # time), what ends and starts goes in the worker's order, so a pair held until an action ends before one
+        # that a later action starts, and one held for no time still counts.
+        position = self.position or {action: i for i, action in enumerate(self.order())}
+        ends: Dict[Tuple[int, int], Tuple[float, int]] = {}
+        for action, finish in self.end.items():
             if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
-                ends[(action.stage, action.microbatch)] = end
-        events: List[List[Tuple[float, int]]] = [[] for _ in self.busy]
+                ends[(action.stage, action.microbatch)] = (finish, position[action])
+        events: List[List[Tuple[float, int, int]]] = [[] for _ in self.busy]
         for action, begin in self.start.items():
             if action.kind is Kind.FORWARD:
-                events[self.stage_workers[action.stage]] += [
-                    (begin, 1), (ends.get((action.stage, action.microbatch), self.step_time), -1)]
+                until, at = ends.get((action.stage, action.microbatch), (self.step_time, len(position)))
+                events[self.stage_workers[action.stage]] += [(begin, position[action], 1), (until, at, -1)]
         peaks = []
         for worker in events:
             held = most = 0
-            for _, change in sorted(worker):  # at one instant, what ends (-1) before what starts (+1)
+            for _, _, change in sorted(worker):
                 held += change
                 most = max(most, held)
             peaks.append(most)
         return tuple(peaks)
 
     def order(self) -> List[Action]:
-        """Every action, by start time (ties: by worker order)."""
+        """Every action, by start time (ties: the one that ends first)."""
         return sorted(self.start, key=lambda a: (self.start[a], self.end[a]))
 
 
@@ -287,7 +295,8 @@ def play(schedule: Schedule, duration_of: Callable[[Action, float], float], comm
             raise ValueError(
                 f"schedule deadlocks: no worker can run its next action ({', '.join(stuck)}): " + "; ".join(waits)
             )
-    return Simulation(max(end.values(), default=0.0), tuple(busy), start, end, schedule.stage_workers)
+    position = {action: i for actions in schedule.workers for i, action in enumerate(actions)}
+    return Simulation(max(end.values(), default=0.0), tuple(busy), start, end, schedule.stage_workers, position)
 
 
 def clock_cycles(schedule: Schedule) -> List[List[Action]]:

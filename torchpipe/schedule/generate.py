@@ -355,17 +355,21 @@ def build(
         return zero_bubble(microbatches, stages, split)
     if name in V_SHAPED:
         count = workers if workers is not None else stages // 2
+        if workers is not None and workers < 1:
+            raise ValueError(f"{name} needs at least 1 worker, got {workers}")
         if count < 1 or stages != 2 * count:
+            near = sorted({2 * max(1, stages // 2), 2 * max(1, stages // 2 + 1)})
             raise ValueError(
                 f"{name} places 2 stages per worker in a V, so it needs 2 * workers stages; got {stages} stages"
                 + (f" for {workers} workers (use {2 * workers} stages)" if workers is not None
-                   else f" (use an even number, at least 2: {2 * max(1, stages // 2)} or {2 * (stages // 2 + 1)})")
+                   else f" (use an even number, at least 2: {' or '.join(map(str, near))})")
             )
         return zbv(microbatches, count) if name == "zbv" else dualpipe_v(microbatches, count)
     raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(map(repr, NAMES))} or build one")
 
 
-def choose_split(microbatches: int, stages: int, costs: Callable[[int, Kind], float]) -> List[bool]:
+def choose_split(microbatches: int, stages: int, costs: Callable[[int, Kind], float], *,
+                 communication: float = 0.0) -> List[bool]:
     """Which stages of a zero-bubble schedule should split their backward, for measured costs.
 
     Splitting a stage's ``B`` into ``I`` and ``W`` lets ``W`` fill the bubbles,
@@ -375,12 +379,15 @@ def choose_split(microbatches: int, stages: int, costs: Callable[[int, Kind], fl
     answer is the split whose simulated step is shortest, found greedily from
     none (1F1B): a stage is split only if that shortens the step. Each split
     is simulated as it runs, its backwards whose ``W`` fills no gap made
-    whole (:func:`~torchpipe.schedule.merge_backwards`). Pure: the same
-    costs give the same answer.
+    whole (:func:`~torchpipe.schedule.merge_backwards`), with
+    ``communication`` the time a message between stages takes, as in
+    :func:`~torchpipe.schedule.simulate`. Pure: the same costs give the same
+    answer.
     """
     def step_time(split: List[bool]) -> float:
         cost = lambda a: costs(a.stage, a.kind)  # noqa: E731
-        return simulate(merge_backwards(zero_bubble(microbatches, stages, split), cost), cost).step_time
+        merged = merge_backwards(zero_bubble(microbatches, stages, split), cost, communication=communication)
+        return simulate(merged, cost, communication=communication).step_time
 
     split = [False] * stages
     best = step_time(split)
