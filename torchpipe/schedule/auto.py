@@ -71,10 +71,9 @@ schedules', from 2.8 to 9.1 (``benchmarks/cost_model.py``,
 ``benchmarks/README.md``, the twenty-first session). The measuring step
 cannot tell that: its runs are no longer than there are workers, and the
 second of a run took 0.98 to 1.04 of the typical time, in ``looped_bfs`` as
-in the others. Nor does the choice need it:
-where ``looped_bfs``'s runs are longer than the workers (more micro-batches
-than workers), it holds more activations than the others, which ``'auto'``
-picks first.
+in the others. Nor does the choice need it: where ``looped_bfs``'s runs are
+longer than the workers (more micro-batches than workers), it holds more
+activations than the others, which ``'auto'`` picks first.
 """
 import logging
 from dataclasses import dataclass, field, replace
