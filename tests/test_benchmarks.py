@@ -238,7 +238,8 @@ def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pyt
         if "vs_line" in row:
             assert row["ideal"] == pytest.approx(1 / (2 * (1 - row["simulated_bubble"]))) and row["vs_line"] > 0
     assert rows[schedules.GPIPE]["ideal"] == rows["gpipe"]["ideal"]
-    assert rows["zbv (4 stages, V)"]["ideal"] < rows["gpipe"]["ideal"]
+    # The ideals come from each step's measured costs, on a 4 x 8 MLP mostly noise: their order is not asserted
+    # (under CI's load zbv's came out 0.696 against gpipe's 0.654, which failed a clean run).
     by_hand = rows["plain, 4 micro-batches by hand"]
     assert by_hand["two_threads"] > 0 and by_hand["machine_line"] == by_hand["two_threads"] * 2 * (4 + 1) / 8
     assert all(row["split_stages"] == [] for name, row in rows.items() if name in ("gpipe", "1f1b"))
