@@ -137,11 +137,10 @@ def run_places(schedule: Schedule) -> Dict[Action, int]:
     ``chunks``; the others run few actions of a stage and kind in a row)."""
     places: Dict[Action, int] = {}
     for actions in schedule.workers:
-        before = None
-        for action in actions:
-            same = before is not None and (before.stage, before.kind) == (action.stage, action.kind)
-            places[action] = min(places[before] + 1, len(RUN_PLACES) - 1) if same and before is not None else 0
-            before = action
+        for i, action in enumerate(actions):
+            before = actions[i - 1]
+            same = i > 0 and (before.stage, before.kind) == (action.stage, action.kind)
+            places[action] = min(places[before] + 1, len(RUN_PLACES) - 1) if same else 0
     return places
 
 

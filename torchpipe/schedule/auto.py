@@ -80,7 +80,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
-from torchpipe.schedule.check import cost_function, simulate
+from torchpipe.schedule.check import cost_function, shorter, simulate
 from torchpipe.schedule.generate import (
     NAMES,
     SPLITTING,
@@ -286,13 +286,10 @@ def choose(
         run = simulate(_build(name, microbatches, stages, workers, split, cost, communication), cost,
                        communication=communication)
         table.append((name, run.step_time, max(run.peak_activations)))
-    fitting = [row for row in table if row[2] <= limit]
-    if not fitting:  # the ones that hold the fewest
-        fitting = [row for row in table if row[2] == min(held for _, _, held in table)]
-    # The first of equal steps, the list's preference: equal within rounding (1F1B and GPipe on as many stages as
-    # micro-batches take one time, summed in two orders).
+    fewest = min(held for _, _, held in table)
+    fitting = [row for row in table if row[2] <= max(limit, fewest)]  # if none fits, the ones that hold the fewest
     fastest = min(step for _, step, _ in fitting)
-    best = next(row for row in fitting if row[1] <= fastest * (1 + 1e-9))
+    best = next(row for row in fitting if not shorter(fastest, row[1]))  # the first of equal steps: the preference
     return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication, overhead,
                   cost)
 

@@ -21,7 +21,7 @@ of at most ``stages - s`` micro-batches::
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
-from torchpipe.schedule.check import dependencies, simulate
+from torchpipe.schedule.check import dependencies, shorter, simulate
 from torchpipe.schedule.merge import merge_backwards
 from torchpipe.schedule.vshape import dualpipe_v, zbv
 
@@ -399,6 +399,6 @@ def choose_split(microbatches: int, stages: int, costs: Callable[[int, Kind], fl
                 continue
             trial = split[:s] + [True] + split[s + 1 :]
             time = step_time(trial)
-            if time < best * (1 - 1e-9):
+            if shorter(time, best):
                 split, best, improved = trial, time, True
     return split
