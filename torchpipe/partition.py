@@ -29,7 +29,9 @@ def verify_module(module: nn.Module) -> None:
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"non-sequential module cannot be partitioned: GPipe takes an nn.Sequential, got {type(module).__name__}"
+            f"non-sequential module cannot be partitioned: GPipe and Pipeline take an nn.Sequential, got "
+            f"{type(module).__name__}; torchpipe.as_sequential(model, example_input) makes one of any traceable "
+            "model (a Hugging Face model included)"
         )
     names_by_child: Dict[int, List[str]] = {}
     for name, child in module._modules.items():

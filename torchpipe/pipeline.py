@@ -1,5 +1,6 @@
 """The Pipeline module: a training step that owns the loss, so that it can run any schedule."""
 import datetime
+import math
 import os
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union, cast
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from torchpipe import microbatch, trace
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.clip import Exchange
+from torchpipe.distributed.agree import verify_agreement
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
@@ -25,6 +27,7 @@ from torchpipe.partition import (
 )
 from torchpipe.pipelined import Pipelined
 from torchpipe.runtime import Runner, Stages, local, weight_grad
+from torchpipe.runtime.loss import LossSpec, without_backward
 from torchpipe.runtime.step import Timings
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.runtime.tune import SplitTuner
@@ -125,12 +128,23 @@ class Pipeline(Pipelined):
         deferred_batch_norm: bool = False,
         mesh: Any = None,
         data_parallel: Optional[str] = None,
+        loss_weight: Optional[Callable[[Any], Any]] = None,
+        compile: Union[bool, Dict[str, Any]] = False,
     ) -> None:
         super().__init__()
+        if isinstance(chunks, bool) or not isinstance(chunks, int):
+            raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
         chunks = microbatch.verify_chunks(chunks)
         checkpoint = verify_checkpoint(checkpoint)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if loss_weight is not None and not callable(loss_weight):
+            raise TypeError(f"loss_weight must be a function of a micro-batch's target, got {loss_weight!r}")
+        if loss_weight is not None and loss_reduction != "mean":
+            raise ValueError(
+                "loss_weight weighs each micro-batch's loss in a mean (loss_reduction='mean'); with "
+                "loss_reduction='sum' the micro-batches' losses are added as they are"
+            )
         verify_module(module)
         balance = verify_balance(module, balance)
         if not balance:
@@ -171,6 +185,15 @@ class Pipeline(Pipelined):
                 replica=0 if on_mesh is None else on_mesh.replica,
                 replicas=1 if on_mesh is None else on_mesh.replicas,
             )
+            # Before anything that depends on them: every rank was given the same (see [Note: ranks agree]).
+            verify_agreement(self._channel, module, {
+                "balance": list(balance), "chunks": chunks,
+                "schedule": schedule if isinstance(schedule, str) else str(schedule_for(chunks)),
+                "checkpoint": checkpoint, "loss_reduction": loss_reduction,
+                "loss_weight": "a function" if loss_weight is not None else None,
+                "deferred_batch_norm": deferred_batch_norm,
+                "data_parallel": None if on_mesh is None else on_mesh.mode,
+            })
             if self._channel.size != workers:
                 raise ValueError(
                     f"the schedule has {workers} workers but the process group has {self._channel.size} ranks; "
@@ -184,6 +207,8 @@ class Pipeline(Pipelined):
         module = self._keep_arguments(module, balance, stage_devices, chunks, checkpoint, deferred_batch_norm)
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
+        #: ``loss_weight(target)``: each micro-batch's weight in a ``'mean'`` loss (None: its samples).
+        self.loss_weight = loss_weight
         self.schedule_name = schedule_for(chunks).name
         self._layer_index = {name: k for k, name in enumerate(module._modules)}
         # Each process builds and keeps only its own stages (on the meta device, see partition.place); layers
@@ -260,15 +285,35 @@ class Pipeline(Pipelined):
 
     # --- steps ---------------------------------------------------------------------------------------
 
-    def step(self, input: Optional[TensorOrTensors] = None, target: Optional[TensorOrTensors] = None) -> Tensor:
-        """Runs one mini-batch, forward and backward; returns its loss (a 0-dim tensor without grad).
+    def step(
+        self,
+        input: Optional[TensorOrTensors] = None,
+        target: Optional[TensorOrTensors] = None,
+        *,
+        loss_scale: float = 1.0,
+    ) -> Tensor:
+        """Runs one mini-batch, forward and backward; returns its loss (a 0-dim tensor).
 
-        Every parameter's ``.grad`` accumulates what ``loss.backward()`` on the
-        plain module would add. Under ``torch.no_grad()`` or after ``eval()``
-        only the loss is computed. Across processes every rank calls ``step``:
-        the input is read on the first stage's rank, the target on the last
-        stage's (others may pass None), and every rank returns the loss.
+        Every parameter's ``.grad`` accumulates what ``(loss * loss_scale).backward()``
+        on the plain module would add. Under ``torch.no_grad()`` or after
+        ``eval()`` only the loss is computed. Across processes every rank calls
+        ``step``: the input is read on the first stage's rank, the target on the
+        last stage's (others may pass None), and every rank returns the loss.
+
+        Args:
+            input: the mini-batch's input.
+            target: its target (None when ``loss_fn`` takes only the output).
+            loss_scale: what the gradients are scaled by (the loss returned is
+                not): ``1 / n`` to accumulate the gradients of ``n`` steps as
+                the plain ``(loss / n).backward()`` would.
+
+        The loss returned has no graph: the step ran the backward. Its
+        ``backward()`` raises an error that says so.
         """
+        scale = float(loss_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"loss_scale must be a finite number, got {loss_scale!r}")
+        spec = LossSpec(self.loss_fn, self.loss_reduction, self.loss_weight, scale)
         training = torch.is_grad_enabled() and self.training
         tuner = self._tuner if training and self._tuner is not None and not self._tuner.decided else None
         timings: Optional[Timings] = Timings() if tuner is not None and tuner.measuring else None
@@ -278,14 +323,14 @@ class Pipeline(Pipelined):
                 loss, _ = distributed_step(
                     self._runner, self._channel, self.devices, self.chunks, input, training=training,
                     module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
-                    loss=(self.loss_fn, target, self.loss_reduction), timings=timings,
+                    loss=spec, target=target, timings=timings,
                 )
                 assert loss is not None
             else:
                 loss = local.local_step(
-                    self._runner, input, target, chunks=self.chunks, loss_fn=self.loss_fn,
-                    reduction=self.loss_reduction, training=training, module_training=self.training,
-                    checkpoint_stop=self._checkpoint_stop(training), timings=timings,
+                    self._runner, input, target, chunks=self.chunks, loss=spec, training=training,
+                    module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
+                    timings=timings,
                 )
         if tuner is not None:  # see [Note: zero-bubble placement]
             exchange = self._exchange()
@@ -297,7 +342,7 @@ class Pipeline(Pipelined):
             if changed:
                 self._runner.forget_plans()
                 self.schedule_name = self.schedule.name
-        return loss
+        return without_backward(loss) if training else loss
 
     def _local_stages(self) -> List[nn.Sequential]:
         return [stage for stage in self._stages if stage is not None]

@@ -21,6 +21,9 @@ pipeline's timeout fails as well):
   written only where nothing was: a start that comes after a failure was
   recorded (a rank's wait for it timed out) is refused, and its rank learns
   the failure instead of running the step alone;
+- ``weight/<n>/<replica>``: with ``loss_weight`` on a mesh, the last stage's
+  rank of each replica publishes the total weight of its micro-batches, and
+  reads every replica's before its first backward (see [Note: token weights]);
 - ``failed/<n>``: the first rank whose step fails writes who failed, in which
   action, and why, then marks every key of the step a rank may be blocked on
   (start, done, fate); a rank waiting for a message polls it, so every rank
@@ -222,7 +225,7 @@ class Channel:
         self._decide(f"failed/{sequence}", message)
         self._decide(f"fate/{sequence}", "abort")  # no-op after a commit (see commit)
         # The marks go only where nothing was written yet: a start published or a rank's done stand.
-        marked = [f"start/{sequence}/{r}" for r in range(self.replicas)]
+        marked = [f"{key}/{sequence}/{r}" for key in ("start", "weight") for r in range(self.replicas)]
         marked += [f"{key}/{sequence}/{r}" for key in ("done", "exchange") for r in range(self.count)]
         for key in marked:
             self._decide(key, _FAILED.decode())
@@ -309,11 +312,15 @@ class Channel:
     def exchange(self, values: Sequence[float]) -> List[List[float]]:
         """Every rank's ``values`` (of every replica), in the mesh's rank order; a collective, through the
         store (exact: floats as hexadecimal text)."""
+        return [_parse(text.encode("ascii")) for text in self.exchange_text(_format(values))]
+
+    def exchange_text(self, text: str) -> List[str]:
+        """Every rank's ``text`` (of every replica), in the mesh's rank order; a collective, through the store."""
         sequence = self.next_sequence()
-        self._set(sequence, f"exchange/{sequence}/{self.index}", _format(values))
+        self._set(sequence, f"exchange/{sequence}/{self.index}", text)
         names = [f"exchange/{sequence}/{r}" for r in range(self.count)]
-        every = [_parse(value) for value in self._read(sequence, names, "every rank's values")]
-        self._leave(sequence)  # see [Note: leaving the store]
+        every = [value.decode("utf-8") for value in self._read(sequence, names, "every rank's values")]
+        self._leave(sequence)
         return every
 
     def commit(self, sequence: int) -> None:

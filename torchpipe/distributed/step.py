@@ -22,7 +22,7 @@ from torchpipe.distributed.transport import DistributedTransport
 from torchpipe.microbatch import Batch
 from torchpipe.runtime import Plan, Runner
 from torchpipe.runtime.driver import Progress, abort, begin, drive, end
-from torchpipe.runtime.loss import Loss, loss_weights, split_target
+from torchpipe.runtime.loss import Loss, LossSpec, check_target, loss_weights, shares, split_target, target_weights
 from torchpipe.runtime.step import Timings
 from torchpipe.runtime.transport import Aborted
 from torchpipe.types import TensorOrTensors
@@ -44,7 +44,8 @@ def distributed_step(
     training: bool,
     module_training: bool,
     checkpoint_stop: Callable[[int], int],
-    loss: Optional[Tuple[Optional[Callable[..., Tensor]], Optional[TensorOrTensors], str]],
+    loss: Optional[LossSpec],
+    target: Optional[TensorOrTensors] = None,
     timings: Optional[Timings] = None,
 ) -> Tuple[Optional[Tensor], Optional[List[Batch]]]:
     """Runs one step on this rank; returns the loss (with a loss) and, on the last stage's rank, the outputs.
@@ -58,8 +59,8 @@ def distributed_step(
         training: whether the step runs backward.
         module_training: the module's train/eval mode.
         checkpoint_stop: the checkpointed micro-batches for a number of micro-batches.
-        loss: ``(loss_fn, target, reduction)`` for a step with a loss; the target is read on the last stage's
-            rank only.
+        loss: what the step's loss is made of (None: a step without one).
+        target: the mini-batch's target, read on the last stage's rank only.
 
     With data-parallel replicas (a mesh), each replica's first stage reads its
     own mini-batch; a ``'mean'`` loss weighs every sample of every replica
@@ -79,7 +80,8 @@ def distributed_step(
         batches: List[Optional[Batch]] = list(split) if split is not None else [None] * len(counts)
         if loss is not None:
             total = sum(int(n) for values in shapes.values() for n in values[2:])
-            step_loss = Loss(loss[0], [None] * len(counts), loss_weights(counts, loss[2], total))
+            step_loss = Loss(loss.fn, [None] * len(counts), loss_weights(counts, loss.reduction, total),
+                             scale=loss.scale)
 
         def transport_for(made: Plan) -> DistributedTransport:
             nonlocal making_transport
@@ -104,7 +106,7 @@ def distributed_step(
     read = False
     try:
         if loss is not None and step_loss is not None and rank == last:
-            step_loss.targets = split_target(loss[1], devices[-1], counts)
+            _split_target(channel, sequence, loss, step_loss, target, devices[-1], counts)
         if channel.collectives_without_grad or (channel.collectives and training and step_loss is not None):
             # The stage hooks start collectives between ranks (replicas, tied copies): every rank must run the
             # step to its end, or none (see [Note: stage lifecycle]).
@@ -147,6 +149,34 @@ def distributed_step(
         result = torch.scalar_tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs
+
+
+def _split_target(
+    channel: Channel,
+    sequence: int,
+    spec: LossSpec,
+    loss: Loss,
+    target: Optional[TensorOrTensors],
+    device: torch.device,
+    counts: List[int],
+) -> None:
+    """On the last stage's rank: the target split into the micro-batches, and with ``loss_weight`` their weights
+    (over every replica's total: this replica's published, the others' read at the first backward that needs
+    them; see [Note: token weights])."""
+    check_target(spec, target, f"rank {channel.who}, the last stage's,")
+    loss.targets = split_target(target, device, counts)
+    if spec.weight is None or spec.reduction != "mean":
+        return
+    weights = target_weights(spec.weight, loss.targets)
+    if channel.replicas == 1:
+        loss.weights = shares(weights, sum(weights))
+        return
+    channel.publish(sequence, "weight", [sum(weights)])
+
+    def total() -> float:
+        return sum(channel.wait_for(sequence, "weight", replica=r)[0] for r in range(channel.replicas))
+
+    loss.divide_later(weights, total)
 
 
 def _failed_before_actions(

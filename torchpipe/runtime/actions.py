@@ -209,10 +209,12 @@ def _output_roots(step: Step, s: int, i: int, state: StageState) -> Tuple[List[T
         # starts from, not a multiplication in the graph: the same bits reach the loss's backward (the
         # gradient of ``loss * w`` by ``loss`` is ``1 * w``, rounded to the loss's dtype once either way)
         # for two operations and their two backward nodes less per micro-batch. The loss told to the caller
-        # is ``loss * w`` as before, computed without graph.
+        # is ``loss * w`` as before, computed without graph. The gradient is also scaled by the step's
+        # ``loss_scale``, and a micro-batch of weight 0 starts no backward (see [Note: token weights]).
         (loss,) = state.outputs.values
-        weight = step.loss.weights[i]
-        roots, grads = ([loss], [torch.full_like(loss, weight)]) if loss.requires_grad else ([], [])
+        gradient = step.loss.gradient(i)
+        started = loss.requires_grad and step.loss.weight(i) != 0
+        roots, grads = ([loss], [torch.full_like(loss, gradient)]) if started else ([], [])
     else:
         source = s + 1  # the stage after it, or (after the last) the caller
         message = step.transport.recv(Edge(EdgeKind.GRADIENT, i, source, s))

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from torchpipe import microbatch
-from torchpipe.runtime.loss import Loss, loss_weights, split_target
+from torchpipe.runtime.loss import Loss, LossSpec, check_target, loss_weights, shares, split_target, target_weights
 from torchpipe.runtime.runner import Runner
 from torchpipe.runtime.step import Timings
 from torchpipe.types import TensorOrTensors
@@ -19,8 +19,7 @@ def local_step(
     target: Optional[TensorOrTensors],
     *,
     chunks: int,
-    loss_fn: Optional[Callable[..., Tensor]],
-    reduction: str,
+    loss: LossSpec,
     training: bool,
     module_training: bool,
     checkpoint_stop: Callable[[int], int],
@@ -33,10 +32,17 @@ def local_step(
     stages = runner.stages
     inputs, batches = microbatch.split_input(input, stages.devices[0], chunks)
     sizes = [b.values[0].size(0) for b in batches]
-    loss = Loss(loss_fn, split_target(target, stages.devices[-1], sizes), loss_weights(sizes, reduction))
+    check_target(loss, target, "the step")
+    targets = split_target(target, stages.devices[-1], sizes)
+    if loss.weight is not None and loss.reduction == "mean":  # see [Note: token weights]
+        weights = target_weights(loss.weight, targets)
+        weights = shares(weights, sum(weights))
+    else:
+        weights = loss_weights(sizes, loss.reduction)
+    step_loss = Loss(loss.fn, targets, weights, scale=loss.scale)
     step = runner.new_step(
         batches, grad_enabled=training, training=module_training, checkpoint_stop=checkpoint_stop(len(batches)),
-        loss=loss,
+        loss=step_loss,
     )
     step.timings = timings
     if training:
@@ -44,7 +50,8 @@ def local_step(
         step.backward_input(inputs)
     else:
         runner.run_forward(step)
-    losses = loss.weighted()
+    losses = step_loss.weighted()
+    assert losses, "a step with a loss weighed none of its micro-batches' losses"
     return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
 
 

@@ -3,8 +3,26 @@
 Written once for both transports: in one process the step's caller splits the
 target; across processes the last stage's rank does, from the micro-batch
 sizes the first stage's rank published.
+
+[Note: token weights] A ``'mean'`` loss is the mean over the whole
+mini-batch. By default a micro-batch counts by its number of samples, which
+is the plain module's loss when ``loss_fn`` averages over samples. A
+token-level loss (``cross_entropy(..., ignore_index=-100)``) averages over
+the micro-batch's non-ignored tokens instead, and those differ between
+micro-batches of a padded batch: ``loss_weight(target)`` gives each
+micro-batch's count, and the micro-batch counts by its count over the
+mini-batch's total (every micro-batch of every data-parallel replica), which
+is the plain module's mean over all the mini-batch's tokens. The weights are
+known on the last stage's rank once it has split its target; a replica's
+total travels through the store (see [Note: control plane]), published as the
+step starts and read only at the last stage's first backward, the first
+action that needs it. A micro-batch of weight 0 starts no backward (its
+loss, the mean of nothing, is NaN, and ``0 * NaN`` would reach every
+gradient).
 """
-from typing import Any, Callable, List, Optional, Sequence
+import inspect
+import math
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -12,24 +30,65 @@ from torch import Tensor
 from torchpipe import microbatch, transfer
 from torchpipe.types import TensorOrTensors
 
-__all__ = ["Loss", "split_target", "loss_weights"]
+__all__ = ["Loss", "LossSpec", "split_target", "loss_weights", "target_weights", "shares", "check_target",
+           "without_backward", "StepLoss"]
+
+
+class LossSpec(NamedTuple):
+    """What a Pipeline step's loss is made of, besides the target: the same on every rank."""
+
+    #: ``loss_fn(output, target)``, or None when the module's output is the loss.
+    fn: Optional[Callable[..., Tensor]]
+    #: ``'mean'`` or ``'sum'``.
+    reduction: str
+    #: ``loss_weight(target)``: each micro-batch's weight in a ``'mean'`` (None: its number of samples).
+    weight: Optional[Callable[[Any], Any]] = None
+    #: What the step's gradients are scaled by (``step(..., loss_scale=)``); the loss returned is not.
+    scale: float = 1.0
 
 
 class Loss:
     """How the last stage turns a micro-batch's output into its share of a ``Pipeline`` step's loss, and the
     micro-batches' losses as they are computed."""
 
-    __slots__ = ("fn", "targets", "weights", "values")
+    __slots__ = ("fn", "targets", "weights", "scale", "values", "_total")
 
-    def __init__(self, fn: Optional[Callable[..., Tensor]], targets: List[Any], weights: List[float]) -> None:
+    def __init__(
+        self,
+        fn: Optional[Callable[..., Tensor]],
+        targets: List[Any],
+        weights: List[float],
+        *,
+        scale: float = 1.0,
+    ) -> None:
         #: ``loss_fn(output, target)``, or None when the module's output is the loss.
         self.fn = fn
         #: Per micro-batch: its target (None when there is none; across processes, until the last stage's rank
         #: has split its target) and its weight in the total.
         self.targets = targets
         self.weights = weights
+        #: What the gradients are scaled by (the loss told to the caller is not).
+        self.scale = scale
         #: Per micro-batch: its loss, unweighted and without graph, once the last stage computed it.
         self.values: List[Optional[Tensor]] = [None] * len(weights)
+        #: The total the weights are still to be divided by, read when first needed (see [Note: token weights]).
+        self._total: Optional[Callable[[], float]] = None
+
+    def divide_later(self, weights: List[float], total: Callable[[], float]) -> None:
+        """Sets the micro-batches' raw weights, to be divided by ``total()`` once a weight is first needed."""
+        self.weights = weights
+        self._total = total
+
+    def weight(self, i: int) -> float:
+        """Micro-batch ``i``'s weight in the step's loss (its share of the total)."""
+        if self._total is not None:
+            total, self._total = self._total(), None
+            self.weights = shares(self.weights, total)
+        return self.weights[i]
+
+    def gradient(self, i: int) -> float:
+        """The gradient micro-batch ``i``'s backward starts from: its weight times the step's scale."""
+        return self.weight(i) * self.scale
 
     def weighted(self) -> List[Tensor]:
         """The loss of each micro-batch computed, times its weight (see [Note: loss weights]): 0-dim tensors
@@ -37,8 +96,9 @@ class Loss:
         multiplication and reshape sat between its forward and its backward, on the last stage where every
         micro-batch waits for them."""
         weighted = []
-        for value, weight in zip(self.values, self.weights):
-            if value is not None:
+        for i, value in enumerate(self.values):
+            weight = self.weight(i)
+            if value is not None and weight != 0:  # weight 0: its loss may be the NaN of an empty mean
                 product = value * weight
                 weighted.append(product.reshape(()) if product.dim() else product)
         return weighted
@@ -81,3 +141,94 @@ def loss_weights(sizes: Sequence[int], reduction: str, total: Optional[int] = No
         return [1.0] * len(sizes)
     total = int(sum(sizes)) if total is None else total
     return [n / total if total else 1.0 for n in sizes]
+
+
+def target_weights(fn: Callable[[Any], Any], targets: Sequence[Any]) -> List[float]:
+    """``fn(target)`` for each micro-batch's target, checked (see [Note: token weights]).
+
+    Raises:
+        ValueError: a weight is not a number or a single-element tensor, or is negative or not finite.
+    """
+    weights = []
+    for i, target in enumerate(targets):
+        value = fn(target)
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"loss_weight must return a number or a single-element tensor, got a tensor of shape "
+                    f"{tuple(value.shape)} for micro-batch {i}"
+                )
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"loss_weight must return a number or a single-element tensor, got {value!r} for "
+                             f"micro-batch {i}")
+        weight = float(value)
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"loss_weight gave micro-batch {i} the weight {weight}: a weight must be finite and "
+                             "not negative")
+        weights.append(weight)
+    return weights
+
+
+def shares(weights: Sequence[float], total: float) -> List[float]:
+    """Each weight over ``total``, the mini-batch's (all micro-batches, all replicas).
+
+    Raises:
+        ValueError: the total is 0 (every micro-batch's weight is 0: nothing to average over).
+    """
+    if not total > 0:
+        raise ValueError(
+            f"loss_weight gave the whole mini-batch the weight {total} (its micro-batches: {list(weights)}): a "
+            "mean over nothing; every label of the mini-batch is ignored, or loss_weight counts the wrong thing"
+        )
+    return [w / total for w in weights]
+
+
+def check_target(spec: LossSpec, target: Optional[TensorOrTensors], where: str) -> None:
+    """Raises ``ValueError`` if the step's loss needs a target and ``target`` is None. ``where`` names who must
+    pass it ("the step", "rank 1, the last stage's,")."""
+    if target is not None or spec.fn is None:
+        if target is None and spec.weight is not None:
+            raise ValueError(f"loss_weight weighs each micro-batch by its target: {where} must pass the target")
+        return
+    if spec.weight is not None or not _takes_one_argument(spec.fn):
+        raise ValueError(f"{where} must pass the target: loss_fn takes (output, target)")
+
+
+def _takes_one_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn(output)`` binds (True where the signature cannot be read: a call will tell)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(None)
+    except TypeError:
+        return False
+    return True
+
+
+class StepLoss(Tensor):
+    """The loss a Pipeline training step returns: a tensor without graph (the step ran the backward), whose
+    ``backward()``, and that of anything computed from it (``(loss / n).backward()``), raises an error that says
+    so and how to accumulate gradients. Saved and printed as a plain tensor."""
+
+    def backward(  # type: ignore[override, unused-ignore]
+        self, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False, inputs: Any = None
+    ) -> None:
+        raise RuntimeError(
+            "the loss returned by Pipeline.step has no graph: step() ran the backward already, and the gradients "
+            "are in .grad. To accumulate gradients over n steps, call pipe.step(input, target, loss_scale=1 / n) "
+            "for each, then optimizer.step()"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.as_subclass(Tensor).__reduce_ex__(protocol)  # type: ignore[no-untyped-call, unused-ignore]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override, unused-ignore]
+        return Tensor.__repr__(self.as_subclass(Tensor))  # type: ignore[no-untyped-call, unused-ignore]
+
+
+def without_backward(loss: Tensor) -> Tensor:
+    """``loss`` as a training step returns it: the same tensor, as a :class:`StepLoss`."""
+    return loss.detach().as_subclass(StepLoss)

@@ -12,6 +12,11 @@ the stashes and what it returns. For ``layer1.0.bn3`` of a ResNet::
         ...
         yield _torchpipe_stash('layer1_0_relu_2@15', layer1_0_relu_2)
         return layer1_0_relu_2
+
+For ``torch.compile``, :func:`computation_function` writes the graph's
+computation alone, as fx writes a ``GraphModule``'s code: tensors in (the
+received values, then the popped ones), the flat tuple of outputs out, no skip
+plumbing (see [Note: compiled layers] in ``layer.py``).
 """
 import hashlib
 import linecache
@@ -23,7 +28,7 @@ from torch.fx.graph import CodeGen
 
 from torchpipe.skip.skippable import current_tracker
 
-__all__ = ["compile_forward"]
+__all__ = ["compile_forward", "computation_function"]
 
 #: Names the generated code uses besides fx's (``torch`` is one of those); fx names values after
 #: operations, never like these.
@@ -181,11 +186,37 @@ def compile_forward(
     header = 2 + (1 if pops or stashes else 0) + len(pops)
     source = _fast_module_calls(python.src, graph, header, slot).strip("\n") + "\n"
     source, operators = _direct_operator_calls(source, graph)
-    # Registered so that a traceback through a layer shows the generated line; named after the code, so
-    # that copies of a layer share one entry.
-    filename = f"<torchpipe.as_sequential layer {name} {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     scope: Dict[str, Any] = dict(python.globals)
     scope.update(operators)
+    return source, _define(source, f"layer {name}", scope, "forward")
+
+
+def computation_function(graph: fx.Graph, name: str) -> Tuple[str, Callable[..., Any]]:
+    """The computation of layer ``name`` for ``graph`` alone, ``computation(self, *values)``: its source and the function.
+
+    It takes ``graph``'s placeholders (the received values, then the popped
+    ones) and returns its flat tuple of outputs; the layer stashes and pops
+    around it. ATen operators are called through their ``OpOverload``
+    (``torch.ops.aten.mm.default``), which ``torch.compile`` traces, and
+    attributes are read as ``self.layer1.weight``, as in a ``GraphModule``.
+    """
+    previous = graph._codegen
+    graph.set_codegen(CodeGen())
+    try:
+        python = graph.python_code(root_module="self")
+    finally:
+        graph.set_codegen(previous)
+    source = python.src.strip("\n").replace("def forward(self", "def computation(self", 1)
+    source = "\n".join(line.rstrip() for line in source.split("\n")) + "\n"
+    return source, _define(source, f"layer {name} computation", dict(python.globals), "computation")
+
+
+def _define(source: str, what: str, scope: Dict[str, Any], function: str) -> Callable[..., Any]:
+    """Runs ``source`` in ``scope`` and returns its function ``function``."""
+    # Registered so that a traceback through a layer shows the generated line; named after the code, so
+    # that copies of a layer share one entry.
+    filename = f"<torchpipe.as_sequential {what} {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     exec(compile(source, filename, "exec"), scope)  # noqa: S102 - code generated from the graph
-    return source, scope["forward"]
+    defined: Callable[..., Any] = scope[function]
+    return defined

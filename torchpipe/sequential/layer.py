@@ -7,9 +7,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, ca
 import torch
 from torch import Tensor, fx, nn
 
-from torchpipe.sequential.codegen import compile_forward
+from torchpipe.rng import RandomStreams, may_draw
+from torchpipe.sequential.codegen import compile_forward, computation_function
 from torchpipe.skip.namespace import Namespace
-from torchpipe.skip.skippable import Skippable
+from torchpipe.skip.skippable import Skippable, current_tracker
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["TracedLayer", "LayerCode"]
@@ -74,6 +75,37 @@ def _portable(code: LayerCode) -> LayerCode:
 
 def _restored(code: LayerCode) -> LayerCode:
     return dataclasses.replace(code, graph=_copy(code.graph, lambda t: t.resolve() if isinstance(t, _Op) else t))
+
+
+# [Note: compiled layers] ``torch.compile`` cannot trace a layer's generated
+# forward as one graph: the skip tracker looks up the frame of the forward's
+# caller (``sys._getframe``), and an exported graph's ATen operators are called
+# through the C++ functions their ``OpOverload`` objects hold, which dynamo does
+# not know; each is a graph break. So a compiled layer (:meth:`TracedLayer.compile`)
+# keeps its forward in Python (the input checks, the guard, the pops and the
+# stashes) and compiles only its computation, the graph's code as fx writes it
+# for a ``GraphModule`` (:func:`~torchpipe.sequential.codegen.computation_function`):
+# the received and popped tensors in, the outputs out, ATen operators called
+# through their ``OpOverload``, one graph per mode. Each layer has functions of
+# its own, so each has its own cache of compiled code and its own recompile
+# limit. Unless ``dynamic=`` is given, dimension 0 of every input is marked
+# dynamic (``torch._dynamo.maybe_mark_dynamic``; the batch dimension, which
+# ``as_sequential`` traces for any size), so micro-batches of other sizes run
+# the graph compiled first (a size of 1 gets one of its own: dynamo specializes
+# sizes 0 and 1). Random numbers: inside a pipeline task's random streams
+# ([Note: random streams]) a layer that may draw runs its computation
+# uncompiled, so that it draws from the task's generators and a recomputation
+# replays its draws; elsewhere compiled code draws from PyTorch's generators,
+# as the uncompiled code does (other numbers than eager under ``aot_eager`` and
+# ``inductor``, from the same distribution).
+
+_mark_dynamic: Optional[Callable[[Tensor, int], None]] = getattr(torch._dynamo, "maybe_mark_dynamic", None)
+
+
+def _in_random_streams() -> bool:
+    """Whether a pipeline task's random streams give the random functions called now their generators."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    return any(isinstance(mode, RandomStreams) for mode in stack)
 
 
 class TracedLayer(Skippable):
@@ -143,7 +175,9 @@ class TracedLayer(Skippable):
             self.isolate(namespace)
         self._install(attributes, persistent)
         self._dtypes = {} if None in self._codes else self._floating_dtypes()
-        self._compile()
+        #: ``torch.compile``'s keyword arguments once :meth:`compile` was called (see [Note: compiled layers]).
+        self._compile_options: Optional[Dict[str, Any]] = None
+        self._make_forward()
 
     # --- construction ---
 
@@ -183,7 +217,8 @@ class TracedLayer(Skippable):
                 return slot
         return None
 
-    def _compile(self) -> None:
+    def _make_forward(self) -> None:
+        """Generates the layer's forward from its graphs: the plain one, or the compiled one after :meth:`compile`."""
         runs: Dict[Optional[bool], Callable[..., Any]] = {}
         sources: Dict[Optional[bool], str] = {}
         for mode, code in self._codes.items():
@@ -198,6 +233,9 @@ class TracedLayer(Skippable):
                 slot=self._slot,
             )
         self.__dict__["_sources"] = sources
+        if self._compile_options is not None:
+            self.__dict__["forward"] = types.MethodType(self._compiled_forward(self._compile_options), self)
+            return
         if None in runs and not self._guards:
             # The generated function is the forward itself: no trampoline for the many small layers of a
             # pipeline. Copies and unpickled layers make their own (see __getstate__).
@@ -218,6 +256,78 @@ class TracedLayer(Skippable):
 
         self.__dict__["forward"] = types.MethodType(forward, self)
 
+    def _compiled_forward(self, options: Dict[str, Any]) -> Callable[..., Any]:
+        """The forward that runs each mode's computation compiled with ``torch.compile(**options)``.
+
+        See [Note: compiled layers].
+        """
+        plain: Dict[Optional[bool], Callable[..., Any]] = {}
+        compiled: Dict[Optional[bool], Callable[..., Any]] = {}
+        for mode, code in self._codes.items():
+            _, plain[mode] = computation_function(code.graph, self.name)
+            compiled[mode] = torch.compile(plain[mode], **options)
+        codes = self._codes
+        guards = self._guards
+        mark = _mark_dynamic if "dynamic" not in options else None
+
+        def forward(layer: "TracedLayer", input: Any) -> Any:
+            mode = layer.training if None not in codes else None
+            code = codes.get(mode)
+            if code is None:
+                raise RuntimeError(layer._refusal())
+            if layer._stale is not None:
+                raise RuntimeError(layer._stale)
+            guard = guards.get(layer.training)
+            if guard is not None:
+                guard(input)
+            values = layer._arguments(input)
+            if code.pops or code.stashes:
+                skips = current_tracker()  # the frame of this forward's caller, as in the generated forward
+                values += tuple(skips.load(layer, *layer.namespaced(name)) for name in code.pops)
+            if _in_random_streams() and may_draw(layer):
+                outputs = plain[mode](layer, *values)
+            else:
+                if mark is not None:
+                    for value in values:
+                        if isinstance(value, Tensor) and value.dim():
+                            mark(value, 0)
+                outputs = compiled[mode](layer, *values)
+            for name, value in zip(code.stashes, outputs[code.carried :]):
+                skips.save(layer, *layer.namespaced(name), value)
+            passed = outputs[: code.carried]
+            return tuple(passed) if code.returns_tuple or len(passed) != 1 else passed[0]
+
+        return forward
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compiles the layer's computation in place with ``torch.compile(**kwargs)``, one graph per mode.
+
+        The layer stays the same module (its parameters, buffers and state
+        dict keys unchanged; nothing is wrapped); its forward then runs the
+        compiled code of its traced graph, and keeps in Python what dynamo
+        cannot trace: the input checks, the guard of an exported graph, and
+        the stashes and pops of its skips (see [Note: compiled layers]).
+        Unless ``dynamic=`` is given, dimension 0 of every input is marked
+        dynamic, so micro-batches of other sizes do not compile again. Copies
+        and unpickled layers are compiled with the same arguments. Calling it
+        again compiles anew with the new arguments.
+
+        Args:
+            kwargs: ``torch.compile``'s keyword arguments (``backend=``,
+                ``mode=``, ``dynamic=``, ``fullgraph=``, ``options=``).
+
+        Raises:
+            TypeError: a positional argument is given (the module to compile
+                is the layer itself).
+        """
+        if args:
+            raise TypeError(
+                f"TracedLayer.compile takes torch.compile's keyword arguments only (backend=..., mode=...), "
+                f"got {len(args)} positional argument{'s' if len(args) != 1 else ''}"
+            )
+        self._compile_options = dict(kwargs)
+        self._make_forward()
+
     def _refusal(self) -> str:
         traced = next(iter(self._codes))
         mode, other = ("training", "eval") if traced else ("eval", "training")
@@ -234,15 +344,16 @@ class TracedLayer(Skippable):
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for made in ("forward", "_sources"):  # made by exec; rebuilt from the graph
+        for made in ("forward", "_sources"):  # made by exec (and torch.compile); rebuilt from the graph
             state.pop(made, None)
         state["_codes"] = {mode: _portable(code) for mode, code in self._codes.items()}
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state["_codes"] = {mode: _restored(code) for mode, code in state["_codes"].items()}
+        state.setdefault("_compile_options", None)
         super().__setstate__(state)  # type: ignore[no-untyped-call]
-        self._compile()
+        self._make_forward()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TracedLayer":
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
@@ -316,7 +427,7 @@ class TracedLayer(Skippable):
         raise TypeError(f"layer {self.name!r} takes {expected}, got {got}")
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        # Every instance replaces this with its generated code (see _compile).
+        # Every instance replaces this with its generated code (see _make_forward).
         return cast(TensorOrTensors, self.__dict__["forward"](input))
 
     # --- reading ---
