@@ -91,10 +91,23 @@ class Pipeline(Pipelined):
             gradients and optimizer state sharded over ``'dp'``, gathered once
             per step). The loss is the mean over every replica's samples, and
             gradients are the plain module's on all of them.
+        loss_weight: ``loss_weight(target)`` of a micro-batch's target: its
+            weight in a ``'mean'`` loss (a number or a single-element tensor;
+            None: its number of samples). Each micro-batch's loss counts by its
+            weight over the whole mini-batch's, every replica's included, so
+            ``lambda labels: (labels != -100).sum()`` with a token-level
+            ``loss_fn`` gives the plain module's mean over the mini-batch's
+            tokens (see [Note: token weights]).
+
+    Across processes every rank must pass the same arguments and build the
+    same model: the ranks compare them as the pipeline is made, and a
+    difference is a ``ValueError`` on every rank (see [Note: ranks agree]).
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: a bad ``chunks``, ``checkpoint``, ``loss_reduction`` or
+        TypeError: ``module`` is not an ``nn.Sequential``, ``chunks`` is not an
+            ``int``, or ``loss_weight`` is not callable.
+        ValueError: ranks that were given different arguments or models, a
+            ``loss_weight`` with ``loss_reduction='sum'``, a bad ``chunks``, ``checkpoint``, ``loss_reduction`` or
             ``schedule`` (every problem of a custom schedule is listed), a
             number of stages that does not fit the schedule's workers, a
             module that repeats a layer or shares a buffer between layers, a
