@@ -71,7 +71,7 @@ def verify_agreement(channel: Channel, module: nn.Sequential, arguments: Dict[st
         ValueError: the first difference, naming the ranks (global ranks) and their values.
     """
     mine = fingerprint(module, arguments)
-    every = [json.loads(text) for text in channel.exchange_text(json.dumps(mine))]
+    every = [json.loads(text) for text in channel.exchange_text(json.dumps(mine), key="agree")]
     ranks = list(channel.mesh_ranks)
     for name in mine:
         if name == "digests":
@@ -86,7 +86,7 @@ def verify_agreement(channel: Channel, module: nn.Sequential, arguments: Dict[st
     if differing is None:
         return
     # Everyone knows which layer differs: a second exchange tells its descriptions.
-    texts = channel.exchange_text(_layer_text(module[differing]))
+    texts = channel.exchange_text(_layer_text(module[differing]), key="agree-layer")
     name = list(module._modules)[differing]
     raise ValueError(
         f"{_disagreement(f'layer {name!r} as', texts, ranks)}: every rank must build the same model"

@@ -314,11 +314,15 @@ class Channel:
         store (exact: floats as hexadecimal text)."""
         return [_parse(text.encode("ascii")) for text in self.exchange_text(_format(values))]
 
-    def exchange_text(self, text: str) -> List[str]:
-        """Every rank's ``text`` (of every replica), in the mesh's rank order; a collective, through the store."""
-        sequence = self.next_sequence()
-        self._set(sequence, f"exchange/{sequence}/{self.index}", text)
-        names = [f"exchange/{sequence}/{r}" for r in range(self.count)]
+    def exchange_text(self, text: str, key: str = "exchange") -> List[str]:
+        """Every rank's ``text`` (of every replica), in the mesh's rank order; a collective, through the store.
+
+        ``key``: other than ``'exchange'``, a collective of the pipeline's construction, once per key and
+        before any step: it takes no step number (step 0's keys), so steps are numbered from 1 as they are
+        taken (see [Note: ranks agree] in torchpipe/distributed/agree.py)."""
+        sequence = self.next_sequence() if key == "exchange" else 0
+        self._set(sequence, f"{key}/{sequence}/{self.index}", text)
+        names = [f"{key}/{sequence}/{r}" for r in range(self.count)]
         every = [value.decode("utf-8") for value in self._read(sequence, names, "every rank's values")]
         self._leave(sequence)
         return every
