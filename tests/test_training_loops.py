@@ -149,7 +149,7 @@ def test_steps_scaled_by_loss_scale_accumulate_as_the_plain_loop() -> None:
     pipe = Pipeline(model, [2, 1], chunks=3, loss_fn=_ce, loss_weight=tokens, devices=CPU2)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
     reference = torch.optim.SGD(plain.parameters(), lr=0.5)
-    for update in range(3):
+    for _ in range(3):
         for k in range(2):
             x, y = _classes(6, ignored=[k, 3])
             loss = pipe.step(x, y, loss_scale=1 / 2)

@@ -27,8 +27,8 @@ fresh ones; a worker made in another process refuses tasks.
 
 [Note: workers at exit] A worker thread still winding down while the
 interpreter destroys PyTorch's static state can end the process with
-"terminate called without an active exception" (seen when a wrapper was
-collected just before exit). So at exit every live worker is told to stop,
+"terminate called without an active exception" (when a wrapper is
+collected just before exit, say). So at exit every live worker is told to stop,
 and each is waited for, briefly; they are idle by then.
 """
 import atexit

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.loops import padded_batch, plain_loss, token_loss, tokens, traced_llama
 from tests.loops import llama as tiny_llama
+from tests.loops import padded_batch, plain_loss, token_loss, tokens, traced_llama
 from torchpipe import Pipeline
 
 

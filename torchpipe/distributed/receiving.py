@@ -16,8 +16,7 @@ makes its step ready. After a failure the receiving thread again takes what
 the peers still send (:meth:`DistributedTransport.fail
 <torchpipe.distributed.transport.DistributedTransport.fail>`). The threads
 live as long as the pipeline (one per peer), each step handing them its jobs:
-a thread started and joined per step costs more than the hand-over
-(benchmarks/README.md has each choice's figures).
+a thread started and joined per step costs more than the hand-over.
 """
 import functools
 import queue

@@ -23,14 +23,13 @@ allocated ahead stay few whatever the number of micro-batches (at most
 ways (activations to the next stage, gradients back). The messages to a
 higher rank go through the channel's ``up`` groups (``control`` and
 ``data``), those to a lower rank through ``down``, a gloo group of their own
-(CUDA tensors through the one NCCL group, in order, either way). Through one
-group, both directions shared one connection, one lock of gloo's pair and one
-gloo thread in each process, which takes the arriving messages and the
-notices of the peer's posted receives: on the last stage's rank of a tiny
-two-rank ``1f1b`` step its gradient sends waited for the pair's lock most of
-their time. A group for each direction costs a second gloo group per
-pipeline (its connections, made as the pipeline is, and its thread);
-benchmarks/README.md has what it saves.
+(CUDA tensors through the one NCCL group, in order, either way). In one
+group the two directions would share one connection, one lock of gloo's pair
+and one gloo thread in each process, which takes the arriving messages and
+the notices of the peer's posted receives: the last stage's gradient sends
+would wait for the pair's lock behind the activations coming in. A group for
+each direction costs a second gloo group per pipeline (its connections, made
+as the pipeline is, and its thread).
 """
 from typing import Any, Dict, List, Mapping, NamedTuple, Tuple
 

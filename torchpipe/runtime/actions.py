@@ -49,7 +49,7 @@ def run(step: Step, action: Action) -> None:
     recording = step.timings is not None or trace.active() or _profiler_enabled()
     if not recording and step.stages.devices[s].type != "cuda":
         # On CPU with nothing recording, nothing to enter: four do-nothing contexts and a label less, a share of
-        # a tiny model's step worth saving (measured in benchmarks/README.md).
+        # a tiny model's step worth saving.
         _ACTIONS[kind](step, action)
         return
     label = kind.label

@@ -110,9 +110,9 @@ def takes_leaves(stage: Optional[torch.nn.Module]) -> bool:
     norm), with no hooks that could see the input (on the stage, on that layer,
     or global), hands the input to that layer alone: nothing can change it in
     place, and the alias would only cost its autograd function, forward and
-    backward, for every micro-batch and stage (a share of a tiny model's step:
-    benchmarks/README.md has the figures). Anything else (a subclass, a wrapped stage such as
-    FSDP2's, a hook) keeps the alias.
+    backward, for every micro-batch and stage (a share of a tiny model's step).
+    Anything else (a subclass, a wrapped stage such as FSDP2's, a hook) keeps
+    the alias.
     """
     if type(stage) is not nn.Sequential or len(stage) == 0 or _hooked(stage):
         return False

@@ -10,9 +10,9 @@ pass has finished setting aside; and a pipeline runs one phase at a time.
 Two passes in two threads (one GPipe trained from several threads) are not:
 one thread's engine may add into ``.grad``, or run the hooks, after its
 GPipe's phase, while a worker has them set aside for the other thread's
-step; a gradient was lost, or the accumulator found its ``.grad`` gone in the
+step: a gradient is lost, or the accumulator finds its ``.grad`` gone in the
 middle of its in-place add ("Bad in-place call", "bump_version() on
-undefined tensor"), in 4 to 6% of such runs.
+undefined tensor").
 
 So the right to set aside is lent to one backward pass at a time (one lease
 for the process: a lease per GPipe, taken in different orders by two threads'

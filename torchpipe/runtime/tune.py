@@ -14,9 +14,8 @@ wait for a message does not count), and a stage is chosen to split only where
 that shortens the simulated step (:func:`torchpipe.schedule.choose_split`).
 The simulation does not see everything: split graphs live longer (more memory
 in use, colder caches), a ``W`` wants the GIL more often per unit of work than
-a ``B``, and thread CPU time misses a wait for the GIL. On the benchmark's MLP
-the costs chose to split every stage and the steps then took up to 12% longer
-than 1F1B's. So a split the costs chose is tried: the next training steps run
+a ``B``, and thread CPU time misses a wait for the GIL, so a split the costs
+chose may still run slower than 1F1B. So it is tried: the next training steps run
 it and 1F1B in turn, :data:`TRIAL_STEPS` each, and it stays only if its median
 step time is :data:`TRIAL_MARGIN` below 1F1B's (a split that only matches 1F1B
 keeps its graphs longer for nothing); else the pipeline runs 1F1B from then

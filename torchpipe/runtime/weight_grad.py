@@ -29,7 +29,7 @@ intermediates last, so their gradients (and the inputs they multiply) are the
 ones still in the CPU's caches; the order of the runs changes no sum, since
 each group accumulates into its own parameters. Each run enters the engine
 below ``torch.autograd.backward``, whose Python checks of the seeds are moot
-here (the engine made them). Both measured in ``benchmarks/split_backward.py``.
+here (the engine made them).
 """
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -152,8 +152,7 @@ def _run_engine(edges: List[Any], seeds: List[Tensor], params: List[Tensor]) -> 
 
     ``W`` makes one such run per parameter group. The seeds are the gradients the engine itself delivered in ``I`` (or
     the ones ``I``'s own call checked), so where this PyTorch exposes the engine's entry, the checks
-    ``torch.autograd.backward`` would make again in Python are skipped: about 30 us a call, measured in
-    benchmarks/README.md.
+    ``torch.autograd.backward`` would make again in Python are skipped: work on every call that finds nothing new.
     """
     if _engine_run_backward is None:
         torch.autograd.backward(edges, seeds, inputs=params)

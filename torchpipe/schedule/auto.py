@@ -1,79 +1,22 @@
 """``schedule='auto'``: the built-in schedule that :func:`simulate` finds fastest for measured costs, within 1F1B's
 memory.
 
-[Note: auto schedule] A Pipeline made with ``schedule='auto'`` runs its
-first training step on a measuring schedule of its placement (the balance's
-stages on its workers or ranks): the placement's split schedule
-(``'zero_bubble'`` one stage per worker, ``'zbv'`` in a V of two,
-``'interleaved_zero_bubble'`` on the loop) with every other micro-batch's
-backward whole, so that one step times each stage's ``F``, ``B``, ``I`` and
-``W`` (each action's thread CPU time; a stage's cost of a kind is the median
-of its micro-batches' after the first, which pays for what runs once: the
-least of them would be a lucky micro-batch's, and every schedule simulated
-from such costs runs faster than the machine will). What
-the actions' times do not explain is what a worker spent around them:
-handing a message on and taking one off the wire or the mailbox, being
-woken for it, a wait for a core that other threads (gloo's, the receiving
-ones) hold. So the step's span (from each rank's first action to its last,
-the longest rank's) calibrates one more cost, the time a worker spends
-around each action (:func:`calibrate_overhead`: the overhead for which
-:func:`simulate` runs the measuring step, each action at its own measured
-time, recomputations included, plus that overhead, in that span), and the
-choice adds it to every action's cost. Charged to each message between
-workers instead, as a hop's time (:func:`calibrate`, which it was until the
-twentieth session), the same unexplained time fit no one schedule: on 2
-gloo ranks at batch 1024 (``benchmarks/cost_model.py``, two runs), the hop
-that explained each of the loop's three schedules' own steps was a median
-2.6 to 3.5 ms for two of them and 7.5 and 7.9 ms for ``looped_bfs``, the
-time per action 0.41 to 0.53 ms; from ``interleaved_zero_bubble``'s steps,
-the loop's steps were predicted within -3.7 to 0.0 % per action, -7.0 to
-+3.5 % with a hop (``benchmarks/README.md``, the twentieth session). A
-network where a message's flight outlasts what the workers spend on it is
-what a hop's time models (``communication=`` of :func:`choose` and
-:func:`simulate`); none was measured here. What only
-the first step's messages pay is left out of it: across processes no rank
-knows yet the layout of what it receives, so each message waits after its
-header for a trip more (see [Note: expected layouts]), which the transport
-times. That trip starts when the receiver reads the header, which is
-mostly when its action asks for the message, so the action pays it even
-where the message came early (:func:`with_trips`: the simulated measuring
-step charges each action the mean trip per message it receives from
-another worker; a peer's first message of a step, which a receiving thread
-takes as it comes, is charged alike). Taken as a part of each hop's time
-instead (one mean trip a hop), the trips had the first step of the V and of
-the loop calibrate a hop a median 2.4 ms (0.8 to 3.2) above what the same
-pipeline's later steps find (1.4 to 3.3 ms), on 2 gloo ranks; charged per
-message, 0.5 ms (-0.9 to 2.0), from the same 16 first steps
-(``benchmarks/README.md``, the nineteenth session). From
-these costs :func:`choose`
-simulates every built-in schedule of the placement (the stages are placed
-on the workers, or ranks, once: the schedules that share one map; for two
-stages per worker the V's), each as it would run, its split backwards whose
-``W`` fills no gap at these costs made whole
-(:func:`~torchpipe.schedule.merge_backwards`), and keeps the fastest
-whose busiest worker holds no more (stage, micro-batch) pairs
-(:attr:`Simulation.peak_activations`) than 1F1B's busiest would: 1F1B on
-the same workers, each running its stages as one, holds as many of these
-stages' pairs as there are stages. If none fits (a loop of three stages per
-worker, say), the one that holds the fewest. Across processes every rank's
-costs are exchanged first, so every rank simulates the same and picks the
-same. Loss and gradients are the plain module's at every step, the
-measuring ones included (any valid schedule gives them). The simulation
-still leaves out what one cost per (stage, kind) cannot say: a message's
-time by its size, an action's cost by what ran before it on its worker.
-``looped_bfs`` runs each stage's forwards, then its backwards, in runs of
-``chunks`` actions of one stage and kind: at batch 256 on 2 gloo ranks the
-third and later of a run took 0.88 to 0.94 of their (stage, kind)'s time on
-the measuring schedule, the first of a run 1.08 to 1.12, and the
-simulation had its steps up to 11 % slower than they ran; told each place's
-factor, its error came within 0.3 to 3.9 points of the loop's other
-schedules', from 2.8 to 9.1 (``benchmarks/cost_model.py``,
-``benchmarks/README.md``, the twenty-first session). The measuring step
-cannot tell that: its runs are no longer than there are workers, and the
-second of a run took 0.98 to 1.04 of the typical time, in ``looped_bfs`` as
-in the others. Nor does the choice need it: where ``looped_bfs``'s runs are
-longer than the workers (more micro-batches than workers), it holds more
-activations than the others, which ``'auto'`` picks first.
+[Note: auto schedule] *Measure.* A Pipeline made with ``schedule='auto'`` runs its first training step on a
+measuring schedule of its placement (:func:`measuring_schedule`: the split schedule with every other micro-batch's
+backward whole), which times each stage's ``F``, ``B``, ``I`` and ``W`` as thread CPU time; a stage's cost of a
+kind is :func:`typical` of its times. *Calibrate.* What the actions' times leave out of the step's span (handing
+messages on, being woken for them, waiting for a core) becomes one overhead added to every action, the one for
+which :func:`simulate` replays the measuring step in that span (:func:`calibrate_overhead`): it goes with the
+actions, not the messages, since a worker pays it around each action. Across processes the trip each first-step
+message takes for its unknown layout ([Note: expected layouts]) is charged first, to the actions that receive such
+messages (:func:`with_trips`). *Choose.* :func:`choose` simulates every built-in schedule of the placement at
+these costs, as it would run (:func:`~torchpipe.schedule.merge_backwards`), and keeps the fastest whose busiest
+worker holds no more (stage, micro-batch) activations than 1F1B's would: as many as there are stages. Every rank
+exchanges its costs first, so every rank chooses alike. *Fall back.* If none fits (three or more stages per
+worker), the one that holds the fewest. *Limits.* One cost per (stage, kind) cannot say a message's time by its
+size, nor an action's by what ran before it (``looped_bfs``'s runs of one kind; where they are long, it holds more
+than the others anyway); a network's own message time (``communication=``) is not measured. Loss and gradients are
+the plain module's at every step, the measuring one included.
 """
 import logging
 from dataclasses import dataclass, field, replace

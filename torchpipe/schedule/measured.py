@@ -108,9 +108,8 @@ def with_trips(schedule: Schedule, costs: Callable[[Action], float], trip: float
 def typical(times: Sequence[float]) -> float:
     """A stage's cost of a kind from its actions' times on the measuring step, in the order they ran: the median
     of those after the first, or the only one. The first of a kind on a first step pays for what runs once (the
-    autograd engine's start, first allocations), up to 100 times a later one's cost; the least of the others
-    would be a lucky one's (a simulation from such costs predicted steps 13 to 31 % shorter than measured, on
-    2 ranks at batch 1024 in ``benchmarks/distributed.py``)."""
+    autograd engine's start, first allocations), many times a later one's cost; the least of the others
+    would be a lucky one's, and a simulation from such costs predicts steps shorter than they run."""
     if not times:
         raise ValueError("typical() needs at least one time")
     return statistics.median(times[1:]) if len(times) > 1 else times[0]

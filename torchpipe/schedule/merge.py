@@ -2,9 +2,8 @@
 
 A split backward (``I`` now, ``W`` later) pays only where ``W`` fills time
 the worker would otherwise idle. Elsewhere it costs: the two halves run two
-passes of the autograd engine over a kept graph, and on this project's CPU
-they take 1.14 to 1.19 times the whole backward
-(``benchmarks/split_backward.py``). The zero-bubble generators split every
+passes of the autograd engine over a kept graph, and on a CPU they can take
+longer than the whole backward. The zero-bubble generators split every
 backward, because they place the weight gradients before they know which
 ones will fill a bubble; this pass makes whole again (``B`` where the ``I``
 was, its ``W`` gone) each one that need not be split.

@@ -6,7 +6,7 @@ parameters (or per call of a split point), with the operations between calls
 in the segment of the call before them. Then segments are merged where a
 Sequential layer boundary cannot pass (see [Note: merging]), and the values
 that cross boundaries are sorted into the ones passed to the next layer and
-the skips ([Note: liveness]).
+the skips ([Note: tensor liveness]).
 
 [Note: merging] Two segments, and every one between them, become one layer
 when:
@@ -20,7 +20,7 @@ when:
 * a segment writes in place a tensor that it received, and a later segment
   reads that tensor too (see [Note: writes]);
 * nothing passes from a segment to the next one (a layer must return a
-  tensor) and no tensor of the earlier one can be relayed ([Note: liveness]).
+  tensor) and no tensor of the earlier one can be relayed ([Note: tensor liveness]).
 
 [Note: ties] Segments that use the same *parameter* are not merged: a language
 model's token embedding and output projection share one ``Parameter``
@@ -38,7 +38,7 @@ checkpointed partition reads again when it recomputes. A layer that would
 first; the later segments that read the same tensor are merged in, so that
 they see the written values as the module's own code does.
 
-[Note: liveness] A tensor made in layer ``p`` and used in layer ``c``: if
+[Note: tensor liveness] A tensor made in layer ``p`` and used in layer ``c``: if
 ``c == p + 1`` it is part of what ``p`` returns; otherwise ``p`` stashes it
 and ``c`` pops it, one skip name per (tensor, layer that uses it), so inside
 GPipe it goes straight to ``c``'s partition. If ``p + 1`` uses it too, ``p + 1``
@@ -184,7 +184,7 @@ class _Analysis:
         relays: Dict[fx.Node, Set[int]],
     ) -> None:
         self.traced = traced
-        #: For a value, the segments that relay it (see [Note: liveness]).
+        #: For a value, the segments that relay it (see [Note: tensor liveness]).
         self.relays = relays
         self.segments = segments
         self.order = {node: i for i, node in enumerate(traced.graph.nodes)}
@@ -204,12 +204,12 @@ class _Analysis:
 
         ``(first, last)``: segments ``first`` to ``last`` must become one (see
         [Note: merging]). ``(k, k)``: segment ``k`` now relays a tensor (see
-        [Note: liveness]). Either way the caller analyses again.
+        [Note: tensor liveness]). Either way the caller analyses again.
         """
         return self._shared_state() or self._recompute_or_merge() or self._writes() or self._empty_boundary()
 
     def producer(self, value: fx.Node, user: int) -> int:
-        """The segment that hands ``value`` to segment ``user`` (see [Note: liveness]).
+        """The segment that hands ``value`` to segment ``user`` (see [Note: tensor liveness]).
 
         The last segment before ``user`` that has it: where it is made, the
         next segment if that one uses it too, or a relay.
