@@ -6,6 +6,7 @@ from torch import Tensor, nn
 
 from torchpipe import microbatch
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
+from torchpipe.compiling import CompileOptions, compile_layers, compile_options
 from torchpipe.microbatch import Batch
 from torchpipe.partition import BalanceError, cut, place, resolve_devices, verify_balance, verify_module
 from torchpipe.pipelined import Pipelined
@@ -45,6 +46,10 @@ class GPipe(Pipelined):
             last) or ``'never'``.
         deferred_batch_norm: update BatchNorm running statistics once per
             mini-batch, as the plain module would, not once per micro-batch.
+        compile: True, or a dict of ``torch.compile`` keyword arguments: each
+            layer of each partition is compiled in place (regional
+            compilation; :func:`torchpipe.compiling.compile_layers`); the
+            state dict keys stay the module's. False: eager.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -74,9 +79,11 @@ class GPipe(Pipelined):
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
+        compile: CompileOptions = False,
     ) -> None:
         super().__init__()
         chunks = microbatch.verify_chunks(chunks)
+        compiled = compile_options(compile)
         checkpoint = verify_checkpoint(checkpoint)
         verify_module(module)
         balance = verify_balance(module, balance)
@@ -89,6 +96,9 @@ class GPipe(Pipelined):
         untie_devices(cuts, resolved, ties)
         self.partitions = nn.ModuleList([place(stage, device) for stage, device in zip(cuts, resolved)])
         copies = retie(list(self.partitions), ties)
+        if compiled is not None:  # each layer in place: the keys stay the module's
+            for partition in self.partitions:
+                compile_layers(cast(nn.Sequential, partition), compiled)
         stages = self._sequentials()
         placed = Stages(
             stages, resolved, list(range(len(stages))), resolved, inspect_skip_layout(stages),

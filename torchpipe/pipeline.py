@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torchpipe import microbatch, trace
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.clip import Exchange
+from torchpipe.compiling import CompileOptions, compile_layers, compile_options
 from torchpipe.distributed.agree import verify_agreement
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
@@ -98,6 +99,11 @@ class Pipeline(Pipelined):
             ``lambda labels: (labels != -100).sum()`` with a token-level
             ``loss_fn`` gives the plain module's mean over the mini-batch's
             tokens (see [Note: token weights]).
+        compile: True, or a dict of ``torch.compile`` keyword arguments:
+            each layer of each stage is compiled in place (regional
+            compilation; :func:`torchpipe.compiling.compile_layers`), the
+            layers of :func:`torchpipe.as_sequential` as whole graphs; the
+            state dict keys stay the module's. False: eager.
 
     Across processes every rank must pass the same arguments and build the
     same model: the ranks compare them as the pipeline is made, and a
@@ -142,7 +148,7 @@ class Pipeline(Pipelined):
         mesh: Any = None,
         data_parallel: Optional[str] = None,
         loss_weight: Optional[Callable[[Any], Any]] = None,
-        compile: Union[bool, Dict[str, Any]] = False,
+        compile: CompileOptions = False,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int):
@@ -158,6 +164,7 @@ class Pipeline(Pipelined):
                 "loss_weight weighs each micro-batch's loss in a mean (loss_reduction='mean'); with "
                 "loss_reduction='sum' the micro-batches' losses are added as they are"
             )
+        compiled = compile_options(compile)
         verify_module(module)
         balance = verify_balance(module, balance)
         if not balance:
@@ -236,6 +243,10 @@ class Pipeline(Pipelined):
         ]
         del all_stages
         copies = retie(stages, ties)
+        if compiled is not None:  # each layer of this rank's stages, in place: the keys stay the module's
+            for stage in stages:
+                if stage is not None:
+                    compile_layers(stage, compiled)
         # The layers are this module's children under their own names, so that state_dict() has the plain
         # module's keys ('3.weight') and parameters() are the layers'.
         for stage in stages:
