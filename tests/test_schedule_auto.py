@@ -269,8 +269,7 @@ def test_the_time_around_each_action_is_calibrated_from_the_measured_span() -> N
     first = AutoTuner(4, 2, 8)
     tripped = with_trips(measured, cost, 0.5)
     timings.spans[:] = [(0.0, simulate(measured, lambda a: tripped(a) + truth).step_time - truth)]
-    timings.relayouts[:] = [0.25, 0.75]
-    first.record(timings)
+    first.record(timings, relayouts=[0.25, 0.75])
     assert first.relayout == 0.5 and first.choice is not None
     assert first.choice.overhead == pytest.approx(truth, abs=1e-9)
     slower = choose(4, 2, 8, tuner.cost, overhead=2 * truth).table

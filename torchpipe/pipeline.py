@@ -3,7 +3,7 @@ import datetime
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -29,11 +29,11 @@ from torchpipe.partition import (
 from torchpipe.pipelined import Pipelined
 from torchpipe.runtime import Runner, Stages, local, weight_grad
 from torchpipe.runtime.loss import LossSpec, without_backward
-from torchpipe.runtime.step import Timings
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.runtime.tune import SplitTuner
 from torchpipe.schedule import SPLITTING, Schedule
 from torchpipe.schedule.auto import AutoTuner
+from torchpipe.schedule.measured import Timings, Tuner
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
@@ -183,7 +183,7 @@ class Pipeline(Pipelined):
             )
         schedule_for, workers = resolve(schedule, chunks, len(balance), devices, ranks)
         #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble placement]).
-        self._tuner: Optional[Union[SplitTuner, AutoTuner]] = None
+        self._tuner: Optional[Tuner] = None
         if schedule == "auto":  # see [Note: auto schedule]
             self._tuner = AutoTuner(len(balance), workers, chunks, splitting=weight_grad.supported())
             schedule_for = self._tuner.plan
@@ -341,13 +341,14 @@ class Pipeline(Pipelined):
         training = torch.is_grad_enabled() and self.training
         tuner = self._tuner if training and self._tuner is not None and not self._tuner.decided else None
         timings: Optional[Timings] = Timings() if tuner is not None and tuner.measuring else None
+        relayouts: List[float] = []
         started = time.perf_counter()
         with self._batch_norm_statistics(self._local_stages()):
             if self._channel is not None:
                 loss, _ = distributed_step(
                     self._runner, self._channel, self.devices, self.chunks, input, training=training,
                     module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
-                    loss=spec, target=target, timings=timings,
+                    loss=spec, target=target, timings=timings, relayouts=relayouts,
                 )
                 assert loss is not None
             else:
@@ -359,9 +360,8 @@ class Pipeline(Pipelined):
         if tuner is not None:  # see [Note: zero-bubble placement]
             exchange = self._exchange()
             if timings is not None:
-                changed = tuner.record(timings, exchange, self.chunks)
+                changed = tuner.record(timings, exchange, self.chunks, relayouts=relayouts)
             else:
-                assert isinstance(tuner, SplitTuner), "only a zero-bubble placement is tried on timed steps"
                 changed = tuner.record_trial(time.perf_counter() - started, exchange, _rows(input))
             if changed:
                 self._runner.forget_plans()

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from torchpipe import microbatch
-from torchpipe.distributed import wire
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.failure import error_text
+from torchpipe.distributed.records import ReplicaLoss, StepStart
 from torchpipe.distributed.transport import DistributedTransport
 from torchpipe.microbatch import Batch
 from torchpipe.runtime import Plan, Runner
@@ -47,6 +47,7 @@ def distributed_step(
     loss: Optional[LossSpec],
     target: Optional[TensorOrTensors] = None,
     timings: Optional[Timings] = None,
+    relayouts: Optional[List[float]] = None,
 ) -> Tuple[Optional[Tensor], Optional[List[Batch]]]:
     """Runs one step on this rank; returns the loss (with a loss) and, on the last stage's rank, the outputs.
 
@@ -61,6 +62,10 @@ def distributed_step(
         checkpoint_stop: the checkpointed micro-batches for a number of micro-batches.
         loss: what the step's loss is made of (None: a step without one).
         target: the mini-batch's target, read on the last stage's rank only.
+        timings: measure each action into it.
+        relayouts: where to add, per message whose layout this rank did not expect (every message of a
+            pipeline's first step: [Note: expected layouts]), the seconds it waited after its header for its
+            tensors (a trip between the ranks that later steps' messages do not take).
 
     With data-parallel replicas (a mesh), each replica's first stage reads its
     own mini-batch; a ``'mean'`` loss weighs every sample of every replica
@@ -76,10 +81,10 @@ def distributed_step(
         # The start is known everywhere: the other ranks are in the step, in the mode its first stage's rank
         # runs, waiting for this one's messages (see _failed_before_actions).
         _check_modes(channel, sequence, runner.stages.stage_workers[0], shapes, training)
-        counts = [int(n) for n in shapes[channel.replica][2:]]
+        counts = shapes[channel.replica].sizes
         batches: List[Optional[Batch]] = list(split) if split is not None else [None] * len(counts)
         if loss is not None:
-            total = sum(int(n) for values in shapes.values() for n in values[2:])
+            total = sum(n for start in shapes.values() for n in start.sizes)
             step_loss = Loss(loss.fn, [None] * len(counts), loss_weights(counts, loss.reduction, total),
                              scale=loss.scale)
 
@@ -115,14 +120,13 @@ def distributed_step(
         begin(step)
         drive(step, plan.workers[rank], progress)
         transport.finish()
-        if timings is not None:
-            timings.relayouts += transport.relayouts
+        if relayouts is not None:
+            relayouts += transport.relayouts
         end(step)
         if rank == last and step_loss is not None:
             weighted = step_loss.weighted()
-            value = float(sum(float(v) for v in weighted))
             dtype = next((v.dtype for v in weighted), torch.float32)
-            mine = [value, float(wire.DTYPES.index(dtype))]
+            mine = ReplicaLoss(float(sum(float(v) for v in weighted)), dtype).pack()
         # The loss of every replica, but the last stage's rank of a lone pipeline knows the only one.
         read = step_loss is not None and not (rank == last and channel.replicas == 1)
         told = channel.done(sequence, mine, read=read)
@@ -142,11 +146,10 @@ def distributed_step(
         raise
     result: Optional[Tensor] = None
     if step_loss is not None:
-        losses = [values for values in told if values] if read else [mine]
+        losses = [ReplicaLoss.unpack(values) for values in (told if read else [mine]) if values]
         assert len(losses) == channel.replicas, f"{len(losses)} losses told for {channel.replicas} replicas"
-        value = sum(values[0] for values in losses)
-        dtype = wire.DTYPES[int(losses[0][1])]
-        result = torch.scalar_tensor(value, dtype=dtype, device=devices[-1] if rank == last else devices[0])
+        result = torch.scalar_tensor(sum(told.value for told in losses), dtype=losses[0].dtype,
+                                     device=devices[-1] if rank == last else devices[0])
     outputs = step.take_results() if rank == last and step_loss is None else None
     return result, outputs
 
@@ -198,9 +201,10 @@ def _failed_before_actions(
     if not isinstance(error, PipelineError):  # the first record stands (a disagreement on the mode's, say)
         channel.fail(sequence, f"rank {channel.who} failed to begin its step: {error_text(error)}")
     # After the failure's marks the start is there for good: the replica's start, or the mark, written first.
-    start = None if making_transport else channel.published(sequence, "start")
-    if start is not None:
-        _abandon(runner, channel, sequence, devices, bool(start[1]), int(start[0]), checkpoint_stop)
+    published = None if making_transport else channel.published(sequence, "start")
+    if published is not None:
+        start = StepStart.unpack(published)
+        _abandon(runner, channel, sequence, devices, start.training, start.microbatches, checkpoint_stop)
     channel.leave_failed(sequence)
 
 
@@ -234,7 +238,7 @@ def _start(
     chunks: int,
     input: Optional[TensorOrTensors],
     training: bool,
-) -> Tuple[Optional[List[Batch]], Tuple[Tensor, ...], Dict[int, List[float]]]:
+) -> Tuple[Optional[List[Batch]], Tuple[Tensor, ...], Dict[int, StepStart]]:
     """Agrees on step ``sequence``'s shape: on the first stage's rank its micro-batches (None elsewhere) and
     input tensors; every replica's published start (its number of micro-batches, whether it trains, and each
     micro-batch's size), by replica (this one's only, with a single replica)."""
@@ -242,7 +246,7 @@ def _start(
     first = runner.stages.stage_workers[0]
     inputs: Tuple[Tensor, ...] = ()
     split: Optional[List[Batch]] = None
-    mine: List[float] = []
+    mine: Optional[StepStart] = None
     if rank == first:
         try:
             if input is None:
@@ -251,29 +255,29 @@ def _start(
         except BaseException as exc:
             channel.fail(sequence, f"rank {channel.who} could not split its input: {error_text(exc)}")
             raise
-        sizes = [float(b.values[0].size(0) if b.values[0].dim() > 0 else 1) for b in split]
-        mine = [float(len(split)), float(training)] + sizes
-        channel.publish(sequence, "start", mine)
+        mine = StepStart(training, [int(b.values[0].size(0)) if b.values[0].dim() > 0 else 1 for b in split])
+        channel.publish(sequence, "start", mine.pack())
     # Every replica's shape: this one's to run, the others' for the total number of samples (what this rank
     # published it knows without a trip to the store).
     replicas = range(channel.replicas) if channel.replicas > 1 else [channel.replica]
     shapes = {
-        r: mine if rank == first and r == channel.replica else channel.wait_for(sequence, "start", replica=r)
+        r: mine if mine is not None and r == channel.replica
+        else StepStart.unpack(channel.wait_for(sequence, "start", replica=r))
         for r in replicas
     }
     return split, inputs, shapes
 
 
 def _check_modes(
-    channel: Channel, sequence: int, first: int, shapes: Dict[int, List[float]], training: bool
+    channel: Channel, sequence: int, first: int, shapes: Dict[int, StepStart], training: bool
 ) -> None:
     """Raises ``ValueError`` (recorded as the step's failure) if a replica's first stage runs the step in another
     mode than this rank."""
-    for r, values in shapes.items():
-        if bool(values[1]) != training:
+    for r, start in shapes.items():
+        if start.training != training:
             where = f"rank {first}, the first stage's" + (f", of replica {r}" if channel.replicas > 1 else "")
             message = (
-                f"rank {channel.who} runs {_describe(training)} but {where}, runs {_describe(bool(values[1]))}: "
+                f"rank {channel.who} runs {_describe(training)} but {where}, runs {_describe(start.training)}: "
                 "call step() in the same mode (train/eval, grad enabled) everywhere"
             )
             channel.fail(sequence, message)

@@ -18,6 +18,7 @@ from torchpipe.runtime.loss import Loss
 from torchpipe.runtime.stages import Stages
 from torchpipe.runtime.transport import Edge, Transport, sends
 from torchpipe.schedule import Action, Kind, Schedule
+from torchpipe.schedule.measured import Timings
 from torchpipe.skip.layout import SkipLayout
 from torchpipe.skip.registry import SkipRegistry
 from torchpipe.stream import AbstractStream
@@ -27,26 +28,6 @@ if TYPE_CHECKING:
     from torchpipe.runtime.weight_grad import WeightGradient
 
 __all__ = ["Plan", "Step", "StageState", "StageHooks", "ParamGrads", "Timings", "Loss"]
-
-class Timings(Dict[Tuple[int, Kind], List[float]]):
-    """A measured step: each action's duration (its thread's CPU time, not its waits for messages), by (stage,
-    kind), and each action's wall-clock start and end on this rank's clock (see [Note: zero-bubble placement],
-    [Note: auto schedule])."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        #: (start, end) of each action, seconds of ``time.perf_counter`` (appended by the workers' threads).
-        self.spans: List[Tuple[float, float]] = []
-        #: Across processes, per message whose layout this rank did not expect (every message of a pipeline's
-        #: first step: [Note: expected layouts]), the seconds it waited after its header for its tensors, a
-        #: trip between the ranks that later steps' messages do not take.
-        self.relayouts: List[float] = []
-
-    @property
-    def window(self) -> float:
-        """From this rank's first action's start to its last one's end, in seconds (0 with none)."""
-        return max(end for _, end in self.spans) - min(start for start, _ in self.spans) if self.spans else 0.0
-
 
 class Plan(NamedTuple):
     """What the runner executes for one shape of step (micro-batches, checkpointing): pure data.

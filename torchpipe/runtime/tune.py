@@ -31,16 +31,12 @@ summed, so results may differ from one placement to the other in the last
 bits; ``pipe.schedule`` shows the placement in use.
 """
 import statistics
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from torchpipe.runtime.step import Timings
 from torchpipe.schedule import Kind, Schedule, choose_split, merge_backwards, zero_bubble
+from torchpipe.schedule.measured import Exchange, Measurements, Timings, exchanged
 
 __all__ = ["SplitTuner", "Timings", "TRIAL_STEPS", "TRIAL_MARGIN", "TUNING_STEPS"]
-
-#: An action's measured durations, by (stage, kind).
-
-_MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 
 #: The training steps each placement runs in the trial of a split the costs chose.
 TRIAL_STEPS = 3
@@ -75,21 +71,17 @@ class SplitTuner:
         step's time is to be taken (:meth:`record_trial`)."""
         return not self.decided and self.candidate is None
 
-    def record(self, timings: Timings, exchange: Optional[Callable[[List[float]], List[List[float]]]] = None,
-               microbatches: int = 1) -> bool:
+    def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]], exchange: Optional[Exchange] = None,
+               microbatches: int = 1, *, relayouts: Sequence[float] = ()) -> bool:
         """Takes a training step's timings (this rank's stages); returns whether the split changed.
 
         ``exchange`` gathers every rank's measurements (across processes); it is called on every rank at
-        the same step.
+        the same step. ``relayouts`` are not needed here (see :class:`~torchpipe.schedule.measured.Measurements`).
         """
-        mine = [(s, kind, statistics.median(values)) for (s, kind), values in sorted(timings.items(),
-                key=lambda item: (item[0][0], _MEASURED.index(item[0][1]) if item[0][1] in _MEASURED else 9))
-                if kind in _MEASURED and values]
-        flat = [float(v) for s, kind, cost in mine for v in (s, _MEASURED.index(kind), cost)]
-        every = [flat] if exchange is None else exchange(flat)
-        for values in every:
-            for k in range(0, len(values) - 2, 3):
-                self.costs[(int(values[k]), _MEASURED[int(values[k + 1])])] = values[k + 2]
+        for measured in exchanged(Measurements.of(timings), exchange):
+            for key, values in measured.durations.items():
+                if key[1] is not Kind.RECOMPUTE:
+                    self.costs[key] = statistics.median(values)
         if not any(self.split):  # the whole backward measured: now measure it split
             self.split = [True] * self.stages
             return True
@@ -102,8 +94,7 @@ class SplitTuner:
         self.split = chosen
         return self.split != before
 
-    def record_trial(self, seconds: float, exchange: Optional[Callable[[List[float]], List[List[float]]]] = None,
-                     rows: int = 0) -> bool:
+    def record_trial(self, seconds: float, exchange: Optional[Exchange] = None, rows: int = 0) -> bool:
         """Takes a trial step's time (this rank's, in seconds) and its batch size (``rows``; 0 on a rank that
         reads no input); returns whether the split changed.
 

@@ -34,7 +34,15 @@ from torchpipe.schedule.generate import (
     with_recomputation,
     zero_bubble,
 )
-from torchpipe.schedule.measured import calibrate, calibrate_overhead, typical, with_trips
+from torchpipe.schedule.measured import (
+    Exchange,
+    Measurements,
+    calibrate,
+    calibrate_overhead,
+    exchanged,
+    typical,
+    with_trips,
+)
 from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
@@ -43,7 +51,6 @@ __all__ = ["Choice", "choose", "calibrate", "calibrate_overhead", "candidates", 
 
 logger = logging.getLogger("torchpipe")
 
-_MEASURED = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.RECOMPUTE)
 
 
 def placement_names(stages: int, workers: int) -> List[str]:
@@ -291,34 +298,24 @@ class AutoTuner:
                                       names=self.names)
         return self.choice.build(microbatches, self.stages, self.workers)
 
-    def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]],
-               exchange: Optional[Callable[[List[float]], List[List[float]]]] = None, microbatches: int = 1) -> bool:
-        """Takes the measuring step's timings (this rank's stages; with the span of its actions and its messages'
-        trips for their layouts where ``timings`` is a :class:`~torchpipe.runtime.step.Timings`) and chooses;
-        returns True (the schedule changed).
+    def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]], exchange: Optional[Exchange] = None,
+               microbatches: int = 1, *, relayouts: Sequence[float] = ()) -> bool:
+        """Takes the measuring step's timings (this rank's stages; with the span of its actions where ``timings``
+        is a :class:`~torchpipe.schedule.measured.Timings`) and its messages' trips for their layouts
+        (``relayouts``, across processes), and chooses; returns True (the schedule changed).
         ``exchange`` gathers every rank's measurements (across processes; called on every rank)."""
         del microbatches  # the choice is for the Pipeline's chunks, whatever the first batch's size
-        relayouts = list(getattr(timings, "relayouts", ()))
-        mine = [float(getattr(timings, "window", 0.0)), float(sum(relayouts)), float(len(relayouts))]
-        for (s, kind), values in sorted(timings.items(), key=lambda item: (item[0][0], _MEASURED.index(item[0][1])
-                                        if item[0][1] in _MEASURED else 9)):
-            if kind in _MEASURED and values:
-                mine += [float(s), float(_MEASURED.index(kind)), float(len(values))] + [float(v) for v in values]
         spans: List[float] = []
-        relayout_seconds = relayout_count = 0.0
+        trips: List[float] = []
         durations: Dict[Tuple[int, Kind], List[float]] = {}
-        for values in [mine] if exchange is None else exchange(mine):
-            spans.append(values[0])
-            relayout_seconds, relayout_count = relayout_seconds + values[1], relayout_count + values[2]
-            k = 3
-            while k + 2 < len(values):
-                key, count = (int(values[k]), _MEASURED[int(values[k + 1])]), int(values[k + 2])
-                durations[key] = list(values[k + 3 : k + 3 + count])
-                k += 3 + count
+        for measured in exchanged(Measurements.of(timings, relayouts), exchange):
+            spans.append(measured.window)
+            trips += measured.relayouts
+            durations.update(measured.durations)
         self.costs = {key: typical(values) for key, values in durations.items() if key[1] is not Kind.RECOMPUTE}
         # Each message of the measuring step, its layout unknown, took a trip more, measured (none in one process):
         # later steps' messages take no such trip. What is left of the span the workers spent around each action.
-        self.relayout = relayout = relayout_seconds / relayout_count if relayout_count else 0.0
+        self.relayout = relayout = sum(trips) / len(trips) if trips else 0.0
         schedule, own = self._measured_step(durations)
         overhead = calibrate_overhead(schedule, with_trips(schedule, own, relayout), max(spans, default=0.0))
         choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
@@ -330,6 +327,10 @@ class AutoTuner:
                     "its layout aside: %s; at most %d activations per worker)", choice.name, self.stages,
                     self.workers, self.chunks, overhead, relayout, steps, choice.limit)
         return True
+
+    def record_trial(self, seconds: float, exchange: Optional[Exchange] = None, rows: int = 0) -> bool:
+        """Never called: ``'auto'`` measures until it decides, and tries nothing."""
+        raise AssertionError("schedule='auto' measures its first step and decides: it tries no step")
 
     def _measured_step(
         self, durations: Mapping[Tuple[int, Kind], Sequence[float]]

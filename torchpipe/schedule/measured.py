@@ -3,12 +3,109 @@ stage's typical cost of a kind, the first step's trips for its messages' layouts
 leave out of the step's span, as a time per action (what ``schedule='auto'`` charges) or per message between
 workers."""
 import statistics
-from typing import Callable, Sequence
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple
 
-from torchpipe.schedule.actions import Action, Schedule
+from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import dependencies, simulate
 
-__all__ = ["calibrate", "calibrate_overhead", "with_trips", "typical"]
+__all__ = ["calibrate", "calibrate_overhead", "with_trips", "typical", "Timings", "Measurements", "KINDS", "Tuner",
+           "Exchange", "exchanged"]
+
+#: The kinds of action a measured step times, in the order a :class:`Measurements` record lists them.
+KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT, Kind.RECOMPUTE)
+
+#: Every rank's values (a list of floats per rank, in rank order) for this rank's: a collective across processes.
+Exchange = Callable[[List[float]], List[List[float]]]
+
+
+class Timings(Dict[Tuple[int, Kind], List[float]]):
+    """A measured step on this rank: each action's duration (its thread's CPU time, not its waits for messages),
+    by (stage, kind), and each action's wall-clock start and end on this rank's clock (see [Note: zero-bubble
+    placement], [Note: auto schedule])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: (start, end) of each action, seconds of ``time.perf_counter`` (appended by the workers' threads).
+        self.spans: List[Tuple[float, float]] = []
+
+    @property
+    def window(self) -> float:
+        """From this rank's first action's start to its last one's end, in seconds (0 with none)."""
+        return max(end for _, end in self.spans) - min(start for start, _ in self.spans) if self.spans else 0.0
+
+
+class Measurements(NamedTuple):
+    """What one rank measured on a step, as the ranks exchange it: the one place that packs it into floats and
+    reads it back."""
+
+    #: Each action's durations (seconds), by (stage, kind); kinds outside :data:`KINDS` are left out.
+    durations: Dict[Tuple[int, Kind], List[float]]
+    #: From the rank's first action's start to its last one's end (seconds; 0 unknown).
+    window: float = 0.0
+    #: Across processes, per message whose layout the rank did not expect (every message of a pipeline's first
+    #: step), the seconds it waited after its header for its tensors.
+    relayouts: Tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, timings: Mapping[Tuple[int, Kind], Sequence[float]], relayouts: Sequence[float] = ()) -> "Measurements":
+        """The measurements of ``timings`` (a :class:`Timings`, or any mapping of durations: no window)."""
+        durations = {key: list(values) for key, values in timings.items() if key[1] in KINDS and values}
+        window = timings.window if isinstance(timings, Timings) else 0.0
+        return cls(durations, float(window), tuple(float(r) for r in relayouts))
+
+    def pack(self) -> List[float]:
+        """``[window, sum of relayouts, number of relayouts]``, then per (stage, kind) in order: the stage, the
+        kind's index in :data:`KINDS`, the number of durations, and each duration."""
+        values = [self.window, float(sum(self.relayouts)), float(len(self.relayouts))]
+        for (stage, kind), durations in sorted(self.durations.items(), key=lambda item: (item[0][0],
+                                                                                          KINDS.index(item[0][1]))):
+            values += [float(stage), float(KINDS.index(kind)), float(len(durations))] + [float(v) for v in durations]
+        return values
+
+    @classmethod
+    def unpack(cls, values: Sequence[float]) -> "Measurements":
+        """A record :meth:`pack` wrote (its relayouts as their mean, as many times as there were)."""
+        count = int(values[2])
+        relayouts = (values[1] / count,) * count if count else ()
+        durations: Dict[Tuple[int, Kind], List[float]] = {}
+        k = 3
+        while k + 2 < len(values):
+            key, n = (int(values[k]), KINDS[int(values[k + 1])]), int(values[k + 2])
+            durations[key] = list(values[k + 3 : k + 3 + n])
+            k += 3 + n
+        return cls(durations, values[0], relayouts)
+
+
+def exchanged(mine: "Measurements", exchange: Optional[Exchange]) -> List["Measurements"]:
+    """Every rank's measurements (``mine`` alone in one process)."""
+    if exchange is None:
+        return [mine]
+    return [Measurements.unpack(values) for values in exchange(mine.pack())]
+
+
+class Tuner(Protocol):
+    """What a Pipeline's schedule tuners do (a zero-bubble split, ``'auto'``): plan each step's schedule, and learn
+    from the first training steps until they decide. Every rank's tuner takes the same measurements (exchanged)
+    and decides alike."""
+
+    @property
+    def decided(self) -> bool:
+        """Whether the schedule is settled: no step is measured or tried any more."""
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the next training step's actions are to be timed (:meth:`record`); else, until decided, the
+        step's time is taken (:meth:`record_trial`)."""
+
+    def plan(self, microbatches: int) -> Schedule:
+        """The schedule of a step of ``microbatches``."""
+
+    def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]], exchange: Optional[Exchange] = None,
+               microbatches: int = 1, *, relayouts: Sequence[float] = ()) -> bool:
+        """Takes a measured training step (this rank's); returns whether the schedule changed."""
+
+    def record_trial(self, seconds: float, exchange: Optional[Exchange] = None, rows: int = 0) -> bool:
+        """Takes a tried training step's time; returns whether the schedule changed."""
 
 
 def calibrate(schedule: Schedule, costs: Callable[[Action], float], span: float) -> float:
