@@ -14,11 +14,10 @@ from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.clip import Exchange
 from torchpipe.compiling import CompileOptions, compile_layers, compile_options
 from torchpipe.distributed.agree import verify_agreement
+from torchpipe.distributed.backend import DistributedBackend
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
-from torchpipe.distributed.state import gather_bytes, gather_state
-from torchpipe.distributed.step import distributed_step
 from torchpipe.partition import (
     cut,
     place,
@@ -27,7 +26,9 @@ from torchpipe.partition import (
     verify_module,
 )
 from torchpipe.pipelined import Pipelined
-from torchpipe.runtime import Runner, Stages, local, weight_grad
+from torchpipe.runtime import Runner, Stages, weight_grad
+from torchpipe.runtime.backend import Backend
+from torchpipe.runtime.local import LocalBackend
 from torchpipe.runtime.loss import LossSpec, without_backward
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.runtime.tune import SplitTuner
@@ -263,12 +264,16 @@ class Pipeline(Pipelined):
         )
         placed.share(shared_stages(stages, ties))
         self._runner = Runner(placed, schedule_for)
+        #: Where the steps run: this process, or this rank of several (one code path for both from here on).
+        self._backend: Backend
         if self._channel is None:
             if any(len(group) > 1 for group in copies):
                 self._runner.hooks.append(TiedCopies(copies))
+            self._backend = LocalBackend()
         else:
             connect_stages(self._runner, self._channel, ties, copies, on_mesh)
             self._name_copies_as_their_first_holder()
+            self._backend = DistributedBackend(self._channel, self.devices)
 
     def _name_copies_as_their_first_holder(self) -> None:
         """A rank that holds a copy of a tied parameter but not its first holder's layer also holds the copy
@@ -300,7 +305,7 @@ class Pipeline(Pipelined):
     @property
     def rank(self) -> Optional[int]:
         """This process's rank in the pipeline's group (None in one process)."""
-        return None if self._channel is None else self._channel.rank
+        return self._backend.rank
 
     @property
     def schedule(self) -> Schedule:
@@ -344,21 +349,13 @@ class Pipeline(Pipelined):
         relayouts: List[float] = []
         started = time.perf_counter()
         with self._batch_norm_statistics(self._local_stages()):
-            if self._channel is not None:
-                loss, _ = distributed_step(
-                    self._runner, self._channel, self.devices, self.chunks, input, training=training,
-                    module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
-                    loss=spec, target=target, timings=timings, relayouts=relayouts,
-                )
-                assert loss is not None
-            else:
-                loss = local.local_step(
-                    self._runner, input, target, chunks=self.chunks, loss=spec, training=training,
-                    module_training=self.training, checkpoint_stop=self._checkpoint_stop(training),
-                    timings=timings,
-                )
+            loss = self._backend.step(
+                self._runner, input, target, chunks=self.chunks, loss=spec, training=training,
+                module_training=self.training, checkpoint_stop=self._checkpoint_stop(training), timings=timings,
+                relayouts=relayouts,
+            )
         if tuner is not None:  # see [Note: zero-bubble placement]
-            exchange = self._exchange()
+            exchange = self._backend.exchange
             if timings is not None:
                 changed = tuner.record(timings, exchange, self.chunks, relayouts=relayouts)
             else:
@@ -383,19 +380,12 @@ class Pipeline(Pipelined):
         Across processes every rank calls it; the input is read on the first
         stage's rank, and the output returned on the last stage's (None on the others).
         """
-        if self._channel is not None:
-            with torch.no_grad():
-                _, outputs = distributed_step(
-                    self._runner, self._channel, self.devices, self.chunks, input, training=False,
-                    module_training=self.training, checkpoint_stop=self._checkpoint_stop(False), loss=None,
-                )
-            return None if outputs is None else microbatch.gather(outputs)
-        return local.local_forward(self._runner, input, chunks=self.chunks, module_training=self.training)
+        return self._backend.forward(self._runner, input, chunks=self.chunks, module_training=self.training)
 
     # --- moving and state -----------------------------------------------------------------------------
 
     def _exchange(self) -> Optional[Exchange]:
-        return None if self._channel is None else self._channel.exchange
+        return self._backend.exchange
 
     def _counted(self, params: List[nn.Parameter]) -> List[nn.Parameter]:
         # This rank's share of the whole model's norm: a tied parameter on the first holder's copy only, and
@@ -422,13 +412,8 @@ class Pipeline(Pipelined):
         On a mesh, that is the first replica's first stage's rank (global
         rank 0); sharded parameters are gathered whole.
         """
-        if self._channel is None:
-            return dict(self.state_dict())
-        # A sharded tensor's whole value is gathered over the replicas (a collective: every replica holds the
-        # same stages, so they gather the same keys in the same order).
-        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.state_dict().items()}
-        merged = gather_state(self._channel, state, self._runner.stages.stage_workers[0])
-        if self._channel.replica:
+        merged = self._backend.gather_state(dict(self.state_dict()), self._runner.stages.stage_workers[0])
+        if merged is None:
             return {}
         # Ranks hold stages out of order (interleaved schedules): put the keys in the module's layer order.
         return dict(sorted(merged.items(), key=lambda item: self._layer_index.get(item[0].split(".", 1)[0], -1)))
@@ -441,13 +426,7 @@ class Pipeline(Pipelined):
         and stage (:meth:`~torchpipe.trace.Timeline.save_chrome_trace`,
         :meth:`~torchpipe.trace.Timeline.save_png`). In one process it returns ``timeline``.
         """
-        if self._channel is None:
-            return timeline
-        first = self._runner.stages.stage_workers[0]
-        parts = gather_bytes(self._channel, timeline.to_json().encode(), first)
-        if self._channel.rank != first:
-            return None
-        return trace.Timeline.merge([(rank, trace.Timeline.from_json(parts[rank].decode())) for rank in sorted(parts)])
+        return self._backend.gather_timeline(timeline, self._runner.stages.stage_workers[0])
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads the keys this pipeline (this rank) holds from a plain module's, or any GPipe's, Pipeline's

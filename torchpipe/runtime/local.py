@@ -1,5 +1,5 @@
 """A Pipeline step in one process: the mini-batch split into micro-batches, the schedule run on the workers."""
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -7,10 +7,11 @@ from torch import Tensor
 from torchpipe import microbatch
 from torchpipe.runtime.loss import Loss, LossSpec, check_target, loss_weights, shares, split_target, target_weights
 from torchpipe.runtime.runner import Runner
-from torchpipe.runtime.step import Timings
+from torchpipe.schedule.measured import Exchange, Timings
+from torchpipe.trace import Timeline
 from torchpipe.types import TensorOrTensors
 
-__all__ = ["local_step", "local_forward"]
+__all__ = ["local_step", "local_forward", "LocalBackend"]
 
 
 def local_step(
@@ -65,3 +66,39 @@ def local_forward(
     with torch.no_grad():
         step = runner.new_step(batches, grad_enabled=False, training=module_training, checkpoint_stop=0)
         return microbatch.gather(runner.run_forward(step))
+
+
+class LocalBackend:
+    """A Pipeline in one process: its steps run on the workers' threads (see :class:`~torchpipe.runtime.backend.
+    Backend`)."""
+
+    rank: Optional[int] = None
+    exchange: Optional[Exchange] = None
+
+    def step(
+        self,
+        runner: Runner,
+        input: Optional[TensorOrTensors],
+        target: Optional[TensorOrTensors],
+        *,
+        chunks: int,
+        loss: LossSpec,
+        training: bool,
+        module_training: bool,
+        checkpoint_stop: Callable[[int], int],
+        timings: Optional[Timings],
+        relayouts: List[float],
+    ) -> Tensor:
+        return local_step(runner, input, target, chunks=chunks, loss=loss, training=training,
+                          module_training=module_training, checkpoint_stop=checkpoint_stop, timings=timings)
+
+    def forward(
+        self, runner: Runner, input: Optional[TensorOrTensors], *, chunks: int, module_training: bool
+    ) -> Optional[TensorOrTensors]:
+        return local_forward(runner, input, chunks=chunks, module_training=module_training)
+
+    def gather_state(self, state: Dict[str, Any], first: int) -> Optional[Dict[str, Any]]:
+        return dict(state)
+
+    def gather_timeline(self, timeline: Timeline, first: int) -> Optional[Timeline]:
+        return timeline
