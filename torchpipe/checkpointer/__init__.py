@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
-from torchpipe.checkpoint_files import MARK, check_directory, listing, sync_directory, write
-from torchpipe.checkpoint_state import (
+from torchpipe.checkpointer.files import MARK, check_directory, listing, sync_directory, write
+from torchpipe.checkpointer.state import (
     flat_keys,
     mismatch,
     put_grads,

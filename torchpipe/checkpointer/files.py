@@ -1,5 +1,5 @@
 """A checkpointer's directory on disk: one directory per saved step, a mark that says it is complete, and writes
-that reach the disk (see [Note: complete checkpoints] in ``checkpointer.py``)."""
+that reach the disk (see [Note: complete checkpoints] in ``checkpointer/__init__.py``)."""
 import os
 import re
 import socket
