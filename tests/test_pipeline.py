@@ -298,7 +298,7 @@ def test_a_custom_schedule_runs_and_works_for_smaller_batches() -> None:
 def test_the_schedule_runs_as_written() -> None:
     # Each worker executes its list in order: the timeline of one step shows exactly the schedule's actions.
     # A zero-bubble schedule's first two steps run whole backwards, then split ones (they are measured: see
-    # [Note: zero-bubble placement]); each as written.
+    # [Note: zero-bubble split]); each as written.
     pipe = Pipeline(model_for(6), [2, 2, 2], chunks=4, schedule="zero_bubble", loss_fn=mse, checkpoint="always")
     for kinds in ("FRB", "FRIW"):
         expected = pipe._runner.plan(4, 4).schedule

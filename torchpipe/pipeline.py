@@ -183,7 +183,7 @@ class Pipeline(Pipelined):
                 "upgrade PyTorch or choose '1f1b'"
             )
         schedule_for, workers = resolve(schedule, chunks, len(balance), devices, ranks)
-        #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble placement]).
+        #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble split]).
         self._tuner: Optional[Tuner] = None
         if schedule == "auto":  # see [Note: auto schedule]
             self._tuner = AutoTuner(len(balance), workers, chunks, splitting=weight_grad.supported())
@@ -354,7 +354,7 @@ class Pipeline(Pipelined):
                 module_training=self.training, checkpoint_stop=self._checkpoint_stop(training), timings=timings,
                 relayouts=relayouts,
             )
-        if tuner is not None:  # see [Note: zero-bubble placement]
+        if tuner is not None:  # see [Note: zero-bubble split]
             exchange = self._backend.exchange
             if timings is not None:
                 changed = tuner.record(timings, exchange, self.chunks, relayouts=relayouts)

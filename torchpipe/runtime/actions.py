@@ -58,7 +58,7 @@ def run(step: Step, action: Action) -> None:
     with use_device(step.stages.devices[s]), use_stream(step.streams[s]), profiled, trace.span(label, s, i):
         if step.timings is None:
             _ACTIONS[kind](step, action)
-        else:  # see [Note: zero-bubble placement]: this thread's CPU time, not the wait for messages
+        else:  # see [Note: zero-bubble split]: this thread's CPU time, not the wait for messages
             began, started = time.perf_counter(), time.thread_time()
             _ACTIONS[kind](step, action)
             step.timings.setdefault((s, kind), []).append(time.thread_time() - started)

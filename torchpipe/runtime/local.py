@@ -27,7 +27,7 @@ def local_step(
     timings: Optional[Timings] = None,
 ) -> Tensor:
     """Runs one mini-batch, forward and (when ``training``) backward; returns the loss, without graph.
-    ``timings``: measure each action into it (see [Note: zero-bubble placement])."""
+    ``timings``: measure each action into it (see [Note: zero-bubble split])."""
     if input is None:
         raise ValueError("step() needs the mini-batch's input (a tensor or a tuple of tensors)")
     stages = runner.stages

@@ -92,7 +92,7 @@ class Runner:
         return plan
 
     def forget_plans(self) -> None:
-        """Drops the cached plans: the schedule function's answer changed (a zero-bubble placement, decided)."""
+        """Drops the cached plans: the schedule function's answer changed (a zero-bubble split, decided)."""
         self._plans = {}
 
     def new_step(

@@ -165,7 +165,7 @@ class Step:
         self.plan = plan
         #: The stream each stage's actions run on (the caller's current one on its device).
         self.streams = streams
-        #: When measuring (see [Note: zero-bubble placement]): each action's duration, by (stage, kind).
+        #: When measuring (see [Note: zero-bubble split]): each action's duration, by (stage, kind).
         self.timings: Optional[Timings] = None
         #: The step's number across processes (the same on every rank); None in one process.
         self.sequence = sequence

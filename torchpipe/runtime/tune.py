@@ -1,13 +1,13 @@
-"""Zero-bubble placement from measured costs: which stages split their backward, decided on the first steps.
+"""A zero-bubble schedule's split from measured costs: which stages split their backward, decided on the first steps.
 
-[Note: zero-bubble placement] A zero-bubble schedule splits each backward into
+[Note: zero-bubble split] A zero-bubble schedule splits each backward into
 ``I`` (the inputs' gradients, which the previous stage waits for) and ``W``
 (the weights', placed where the worker would idle). That removes most of the
 bubble only if ``I`` and ``W`` together cost about what ``B`` costs. On a CPU
 they may cost much more (``W`` restarts the autograd engine at each layer,
 on gradients that left the cache long ago): then splitting makes the step
 longer than 1F1B's. So, as the zero-bubble paper's schedules do, the
-placement follows profiled times: the first training step runs every stage
+split follows profiled times: the first training step runs every stage
 whole (1F1B) and measures each stage's ``F`` and ``B``, the second runs every
 stage split and measures ``I`` and ``W`` (each action's thread CPU time, so a
 wait for a message does not count), and a stage is chosen to split only where
@@ -27,8 +27,8 @@ steps.
 Across processes every rank's measurements are exchanged (a trial step takes
 as long as its slowest rank says) and every rank makes the same decision.
 Splitting or not changes only the order in which gradients of one step are
-summed, so results may differ from one placement to the other in the last
-bits; ``pipe.schedule`` shows the placement in use.
+summed, so results may differ from one split to another in the last
+bits; ``pipe.schedule`` shows the split in use.
 """
 import statistics
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -38,7 +38,7 @@ from torchpipe.schedule.measured import Exchange, Measurements, Timings, exchang
 
 __all__ = ["SplitTuner", "Timings", "TRIAL_STEPS", "TRIAL_MARGIN", "TUNING_STEPS"]
 
-#: The training steps each placement runs in the trial of a split the costs chose.
+#: The training steps each split runs in the trial of a split the costs chose.
 TRIAL_STEPS = 3
 #: How much faster than 1F1B's (median step time) a split's steps must be for it to stay.
 TRIAL_MARGIN = 0.02
@@ -62,7 +62,7 @@ class SplitTuner:
         #: The trial's step times (s), by whether the step ran the candidate.
         self.trial: Dict[bool, List[float]] = {True: [], False: []}
         #: The batch size (rows) of the trial's steps: a step of fewer rows is not compared (an epoch's short
-        #: last batch would favour the placement that ran it), one of more starts the trial again.
+        #: last batch would favour the split that ran it), one of more starts the trial again.
         self.trial_rows: Optional[int] = None
 
     @property
@@ -100,7 +100,7 @@ class SplitTuner:
 
         ``exchange`` gathers every rank's values (across processes); it is called on every rank at the same step.
         Only steps of the same batch size are compared: a step of fewer rows than the trial's is left out (the
-        placement stays for the next step), one of more starts the trial again at its size.
+        split stays for the next step), one of more starts the trial again at its size.
         """
         assert self.candidate is not None and not self.decided, "no split is being tried"
         every = [[seconds, rows]] if exchange is None else exchange([float(seconds), float(rows)])

@@ -21,7 +21,7 @@ Exchange = Callable[[List[float]], List[List[float]]]
 class Timings(Dict[Tuple[int, Kind], List[float]]):
     """A measured step on this rank: each action's duration (its thread's CPU time, not its waits for messages),
     by (stage, kind), and each action's wall-clock start and end on this rank's clock (see [Note: zero-bubble
-    placement], [Note: auto schedule])."""
+    split], [Note: auto schedule])."""
 
     def __init__(self) -> None:
         super().__init__()
