@@ -2,26 +2,46 @@
 
 Compiling each layer, not the stage or the model whole, is how transformer
 models are compiled in practice (each block its own graph, compiled once and
-run for every micro-batch): a stage is a Python loop over its layers, the
-pipeline's schedule and transfers run between them, and a layer's graph is
-small enough to compile in seconds. Each layer is compiled in place
-(``nn.Module.compile``), not replaced by the ``OptimizedModule`` that
-``torch.compile(layer)`` returns, so the stage's modules, parameters and state
-dict keys stay the plain module's (no ``_orig_mod.``). A layer made by
-:func:`torchpipe.as_sequential` compiles its traced graph
-(:meth:`torchpipe.sequential.TracedLayer.compile`, see [Note: compiled layers]
-in ``sequential/layer.py``).
+run for every micro-batch): a stage is a Python loop over its layers, with the
+pipeline's schedule and transfers around them, and one layer's graph compiles
+in seconds. Each layer is compiled in place, not replaced by the
+``OptimizedModule`` that ``torch.compile(layer)`` returns, so the stage's
+modules, parameters and state dict keys stay the plain module's (no
+``_orig_mod.``).
+
+* A layer made by :func:`torchpipe.as_sequential` compiles the computation of
+  its traced graph (:meth:`torchpipe.sequential.TracedLayer.compile`; see
+  [Note: compiled layers] in ``sequential/layer.py``).
+* Any other layer gets a ``forward`` of its own that calls its class's
+  ``forward`` through ``torch.compile``; its hooks stay eager. Not
+  ``nn.Module.compile``: that compiles ``nn.Module._call_impl``, a frame that
+  dynamo skips (it is in ``torch.nn``, in dynamo's skip files), and for the
+  layers of ``torch.nn`` (``nn.Linear``, ``nn.Sequential``) the ``forward``
+  it calls is skipped too, so nothing is compiled. The compiled function has
+  a code object of its own per layer, since dynamo keeps compiled code and
+  counts recompilations per code object. A dimension that changes size is
+  made dynamic by ``torch.compile`` on the second size it sees.
+* A skippable layer written by the user (``@skippable``: a generator
+  ``forward`` that torchpipe drives) is not compiled whole: dynamo would
+  trace into the tracker that serves its stashes and pops. Its submodules are
+  compiled instead.
+
+Inside a pipeline task's random streams ([Note: random streams]), a layer
+that may draw random numbers runs uncompiled, so that it draws from the
+task's generators and a recomputation replays its draws.
 """
 import inspect
+import sys
+import types
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import nn
 
-from torchpipe.sequential.layer import TracedLayer
+from torchpipe.rng import RandomStreams, may_draw
 from torchpipe.skip.skippable import Skippable
 
-__all__ = ["compile_layers", "compile_options", "CompileOptions"]
+__all__ = ["compile_layers", "compile_options", "in_random_streams", "CompileOptions"]
 
 #: What ``compile=`` takes: True (``torch.compile``'s defaults), False (nothing compiled) or its keyword arguments.
 CompileOptions = Union[bool, Dict[str, Any]]
@@ -112,7 +132,7 @@ def _check_supported() -> None:
     supported = getattr(torch._dynamo, "is_dynamo_supported", None)
     if supported is not None and not supported():
         raise RuntimeError(
-            f"torch.compile does not work with this Python ({'.'.join(map(str, __import__('sys').version_info[:3]))}) "
+            f"torch.compile does not work with this Python ({'.'.join(map(str, sys.version_info[:3]))}) "
             f"and PyTorch ({torch.__version__}); run without compile=, or with a Python that this PyTorch compiles for"
         )
 
@@ -130,19 +150,20 @@ def compile_layers(stage: nn.Sequential, options: CompileOptions = True) -> None
       graph, one graph per mode, with no graph break on its operations and
       dimension 0 of its inputs dynamic unless ``dynamic=`` is given (see
       [Note: compiled layers] in ``sequential/layer.py``);
-    * a skippable layer written by the user (``@skippable``: a generator
-      forward that torchpipe drives, which dynamo cannot trace as a whole)
-      stays eager and its submodules are compiled instead;
-    * any other layer is compiled by ``nn.Module.compile`` (its ``__call__``
-      compiled in place), its dynamic dimensions left to ``torch.compile``
-      (a dimension that changes size is made dynamic on the second size it
-      sees).
+    * a skippable layer written by the user (``@skippable``) stays eager and
+      its submodules are compiled instead;
+    * any other layer runs its ``forward`` compiled; its hooks stay eager.
 
     Compiling is lazy: each layer compiles on its first call, for the device,
     dtypes and mode of that call. Call it on a stage after its layers are
     built and on their device. Loss and gradients equal the eager layers'
     within float tolerance; random numbers (dropout) are drawn as
-    [Note: compiled layers] says.
+    [Note: compiled layers] says. Every call of a compiled layer costs a
+    fixed time besides its computation (dynamo's guards, AOT autograd's
+    wrappers), so compiling pays where layers are large: for a model of
+    :func:`torchpipe.as_sequential`, whose layers are single linear layers and
+    norms by default, cut at the transformer blocks
+    (``split_points=['model.layers.0', ...]``).
 
     Args:
         stage: the layers to compile (a stage of a pipeline, or any
@@ -177,21 +198,43 @@ def compile_layers(stage: nn.Sequential, options: CompileOptions = True) -> None
         _compile_layer(layer, checked)
 
 
+def in_random_streams() -> bool:
+    """Whether a pipeline task's random streams give the random functions called now their generators.
+
+    A compiled layer that may draw random numbers runs uncompiled then (see [Note: compiled layers]).
+    """
+    stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    return any(isinstance(mode, RandomStreams) for mode in stack)
+
+
 def _compile_layer(layer: nn.Module, options: Dict[str, Any]) -> None:
-    if isinstance(layer, TracedLayer):
-        layer.compile(**options)
+    if getattr(type(layer), "compile", None) is not getattr(nn.Module, "compile", None):
+        layer.compile(**options)  # a layer that compiles itself: TracedLayer
     elif isinstance(layer, Skippable):
         # Dynamo would trace into the tracker that serves the stashes and pops (the pipeline's runtime) and
         # break there; the layer's own computation is in its submodules.
         for child in layer.children():
-            _compile_module(child, options)
+            _compile_layer(child, options)
     else:
         _compile_module(layer, options)
 
 
 def _compile_module(module: nn.Module, options: Dict[str, Any]) -> None:
-    if hasattr(nn.Module, "compile"):
-        module.compile(**options)
-    else:
-        # PyTorch 2.1 has no nn.Module.compile: the instance's forward is compiled instead (hooks stay eager).
-        module.forward = torch.compile(module.forward, **options)
+    """Gives ``module`` a forward of its own that runs its class's forward compiled (see the module docstring)."""
+    defined = type(module).forward
+
+    def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return defined(self, *args, **kwargs)
+
+    # A code object of its own: dynamo keeps compiled code and counts recompilations per code object, so
+    # each module has a cache of its own (one shared by every layer would hit the recompile limit).
+    compiled_forward.__code__ = compiled_forward.__code__.replace()
+    compiled = torch.compile(compiled_forward, **options)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if in_random_streams() and may_draw(self):
+            return defined(self, *args, **kwargs)
+        return compiled(self, *args, **kwargs)
+
+    # Bound to the module, not closed over it: a deep copy's forward is bound to the copy.
+    module.__dict__["forward"] = types.MethodType(forward, module)

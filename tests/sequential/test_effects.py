@@ -61,6 +61,10 @@ DETERMINISTIC = {
     "rrelu default": lambda x: F.rrelu(x),
     "sdpa no dropout": lambda x: F.scaled_dot_product_attention(x, x, x),
     "sdpa dropout 0": lambda x: F.scaled_dot_product_attention(x, x, x, None, 0.0),
+    "dropout p 0": lambda x: F.dropout(x, 0.0, True),
+    "dropout p=0": lambda x: F.dropout(x, p=0.0, training=True),
+    "torch.dropout p 0": lambda x: torch.dropout(x, 0.0, True),
+    "dropout2d p 0": lambda x: F.dropout2d(x, 0.0, True),
     "add_": lambda x: x.add_(1),
     "getitem": lambda x: x[0],
 }

@@ -192,7 +192,7 @@ def compile_forward(
 
 
 def computation_function(graph: fx.Graph, name: str) -> Tuple[str, Callable[..., Any]]:
-    """The computation of layer ``name`` for ``graph`` alone, ``computation(self, *values)``: its source and the function.
+    """The computation of layer ``name`` alone, ``computation(self, *values)``: its source and the function.
 
     It takes ``graph``'s placeholders (the received values, then the popped
     ones) and returns its flat tuple of outputs; the layer stashes and pops

@@ -45,6 +45,17 @@ for _function in _existing("dropout", "dropout_", "alpha_dropout", "alpha_dropou
 for _function in _existing("scaled_dot_product_attention", module=F):
     _CONDITIONAL[_function] = ("dropout_p", 4, 0.0, 0.0)
 
+#: Dropouts draw nothing when their probability is statically 0: PyTorch returns the input as it is (a model
+#: configured without dropout, as Hugging Face's are with ``*_pdrop=0.0``, still calls them). (argument name,
+#: position, default)
+_PROBABILITY: Dict[Callable[..., Any], Tuple[str, int, Any]] = {}
+for _function in _existing("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                           module=F):
+    _PROBABILITY[_function] = ("p", 1, 0.5)
+for _function in _existing("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+                           "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_"):
+    _PROBABILITY[_function] = ("p", 1, None)
+
 #: Tensor methods that draw random numbers.
 _RANDOM_METHODS = frozenset({
     "bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
@@ -83,7 +94,13 @@ def call_draws_random(op: str, target: Any, args: Sequence[Any], kwargs: Mapping
     if target in _CONDITIONAL:
         name, position, default, off = _CONDITIONAL[target]
         value = _argument(args, kwargs, name, position, default)
-        return not isinstance(value, (bool, int, float)) or value != off
+        if isinstance(value, (bool, int, float)) and value == off:
+            return False
+        if target in _PROBABILITY:
+            name, position, default = _PROBABILITY[target]
+            p = _argument(args, kwargs, name, position, default)
+            return not (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0)
+        return True
     if _from_torch(target):
         return False
     return (getattr(target, "__module__", None) or "") not in _SAFE_MODULES
@@ -93,8 +110,9 @@ def draws_random(node: fx.Node) -> bool:
     """Whether the node's own code may draw random numbers (the modules it calls are not looked into).
 
     True for the random functions and methods of PyTorch, for dropouts unless
-    ``training`` is statically False (and ``scaled_dot_product_attention``
-    unless ``dropout_p`` is statically 0), and for any function that is not
+    ``training`` is statically False or ``p`` statically 0 (and
+    ``scaled_dot_product_attention`` unless ``dropout_p`` is statically 0),
+    and for any function that is not
     PyTorch's, Python's operators and builtins or ``math``'s: unknown code may
     draw.
     """

@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, ca
 import torch
 from torch import Tensor, fx, nn
 
-from torchpipe.rng import RandomStreams, may_draw
+from torchpipe.compiling import in_random_streams
+from torchpipe.rng import may_draw
 from torchpipe.sequential.codegen import compile_forward, computation_function
 from torchpipe.skip.namespace import Namespace
 from torchpipe.skip.skippable import Skippable, current_tracker
@@ -99,14 +100,6 @@ def _restored(code: LayerCode) -> LayerCode:
 # as the uncompiled code does (other numbers than eager under ``aot_eager`` and
 # ``inductor``, from the same distribution).
 
-_mark_dynamic: Optional[Callable[[Tensor, int], None]] = getattr(torch._dynamo, "maybe_mark_dynamic", None)
-
-
-def _in_random_streams() -> bool:
-    """Whether a pipeline task's random streams give the random functions called now their generators."""
-    stack = torch.overrides._get_current_function_mode_stack()
-    return any(isinstance(mode, RandomStreams) for mode in stack)
-
 
 class TracedLayer(Skippable):
     """One layer of an ``as_sequential`` Sequential: a call of a submodule and the code around it.
@@ -124,6 +117,10 @@ class TracedLayer(Skippable):
     buffers it reads (its code calls ATen operators, not submodules) and has
     code for each mode (see [Note: two modes]); the first layer checks that its
     inputs are in the domain the graph holds for.
+
+    :meth:`compile` (which :func:`torchpipe.compiling.compile_layers` calls)
+    compiles the layer's computation in place with ``torch.compile``, one graph
+    per mode (see [Note: compiled layers]).
 
     Attributes:
         name: the qualified name of the submodule call that starts the layer
@@ -268,7 +265,8 @@ class TracedLayer(Skippable):
             compiled[mode] = torch.compile(plain[mode], **options)
         codes = self._codes
         guards = self._guards
-        mark = _mark_dynamic if "dynamic" not in options else None
+        # torch._dynamo is imported only here: it takes seconds. (maybe_mark_dynamic is missing before 2.3.)
+        mark = getattr(torch._dynamo, "maybe_mark_dynamic", None) if "dynamic" not in options else None
 
         def forward(layer: "TracedLayer", input: Any) -> Any:
             mode = layer.training if None not in codes else None
@@ -280,11 +278,11 @@ class TracedLayer(Skippable):
             guard = guards.get(layer.training)
             if guard is not None:
                 guard(input)
-            values = layer._arguments(input)
+            values: Tuple[Optional[Tensor], ...] = layer._arguments(input)
             if code.pops or code.stashes:
                 skips = current_tracker()  # the frame of this forward's caller, as in the generated forward
                 values += tuple(skips.load(layer, *layer.namespaced(name)) for name in code.pops)
-            if _in_random_streams() and may_draw(layer):
+            if in_random_streams() and may_draw(layer):
                 outputs = plain[mode](layer, *values)
             else:
                 if mark is not None:
