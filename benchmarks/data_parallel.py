@@ -9,13 +9,14 @@ Prints, from one run with the modes interleaved (medians of ``--repeats``):
    into ``DataParallel(b, inputs_are_scattered=True)`` versus gathering a's
    output and scattering it again for b.
 
-Run: ``python benchmarks/data_parallel.py [--width 1024 --depth 8 --batch 256]``.
+Run: ``python benchmarks/data_parallel.py [--width 1024 --depth 6 --batch 256] [--repeats 9] [--json out.json]``.
 """
 import argparse
 import statistics
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.output import Summary, save_json  # noqa: E402
 from benchmarks.harness.steps import microbatched_train_step, train_step  # noqa: E402
 from benchmarks.harness.timing import Variant, at_once, round_robin  # noqa: E402
 from torchpipe.parallel import DataParallel  # noqa: E402
@@ -45,13 +47,14 @@ def half_forward(module: nn.Module, chunk: torch.Tensor) -> None:
         module(chunk)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     # One intra-op thread everywhere: the plain module uses one core; each of the two replica
@@ -110,6 +113,22 @@ def main() -> None:
     saved = median["gather a, re-scatter into b"] - median["chained a -> b (no gather)"]
     share = saved / median["gather a, re-scatter into b"]
     print(f"chaining saves {saved * 1e3:.1f} ms per step ({share:.1%}) versus gather and re-scatter")
+    results = {"median_ms": {name: value * 1e3 for name, value in median.items()}, "two_threads": ceiling,
+               "vs_plain": ratio, "vs_by_hand": median["DataParallel, 2 cpu replicas x 1 thread"] / by_hand,
+               "chaining_saves": share, "goal": 0.6, "args": vars(args)}
+    if args.json:
+        save_json(args.json, results)
+    return results
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): each step's median time, then the ratios."""
+    rows = [[name, ms] for name, ms in results["median_ms"].items()]
+    return Summary(["step", "median ms"], rows, [
+        f"DataParallel / plain: {results['vs_plain']:.3f} (goal <= {results['goal']}); DataParallel / the same 2 half "
+        f"batches by hand: {results['vs_by_hand']:.3f} (ideal 0.500); two bare threads / in sequence: "
+        f"{results['two_threads']:.3f}; chaining without a gather saves {results['chaining_saves']:.1%} of the "
+        "gathered step."])
 
 
 if __name__ == "__main__":

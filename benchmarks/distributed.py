@@ -34,10 +34,12 @@ Configurations: torchpipe ``gpipe`` and ``1f1b`` on two stages, ``looped_bfs`` a
 ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
 ``ScheduleDualPipeV``), its stages taking the same parts of the model on the same ranks.
 
-Goals (issue 18): torchpipe's gpipe and 1f1b at >= 0.90 of the ideal at batch 1024 and >= 0.80 at 256, ahead
-of pipelining's same schedule in the same run; a fixed cost per step no more than pipelining's.
+Goals: torchpipe's gpipe and 1f1b at >= 0.90 of the ideal at batch 1024 and >= 0.80 at 256, ahead of pipelining's
+same schedule in the same run; a fixed cost per step no more than pipelining's. ``--quick`` (a 4 x 8 MLP, batch 16,
+one round) only checks that it runs.
 
-    python benchmarks/distributed.py [--rounds 8] [--batches 256 1024] [--json out.json]
+    python benchmarks/distributed.py [--rounds 8] [--batches 256 1024] [--configs 'torchpipe 1f1b' ...] [--quick]
+                                     [--json out.json]
 """
 import argparse
 import copy
@@ -60,7 +62,7 @@ from torch import Tensor, nn  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.harness.cpu import THREAD_KINDS, thread_cpu  # noqa: E402
 from benchmarks.harness.machine import machine_description  # noqa: E402
-from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.output import Summary, format_table, save_json  # noqa: E402
 from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
 from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
 from benchmarks.harness.timing import rotated  # noqa: E402
@@ -96,7 +98,7 @@ LOOPED = {"looped_bfs", "ScheduleLoopedBFS", "interleaved_zero_bubble", "Schedul
 #: ``'auto-loop'``, a pipeline of this benchmark's own, measures there as 'auto' would (simulate's costs only).
 LOOP_NAMES = ["interleaved_zero_bubble", "interleaved_1f1b", "looped_bfs"]
 V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV", "auto-4"}
-#: Issue 18's goals: the fraction of the micro-batched ideal, per batch.
+#: The goals: the fraction of the micro-batched ideal, per batch.
 GOALS = {256: 0.80, 1024: 0.90}
 HEADERS = ["configuration", "batch", "speed-up vs plain", "of ideal", "machine line", "goal", "vs pipelining",
            "step ms", "plain ms", "by hand ms", "two processes", "set-up + 1st step s"]
@@ -105,7 +107,7 @@ FIXED_LAYERS, FIXED_WIDTH, FIXED_BATCH = 2, 8, 8
 #: The fixed cost's steps timed back to back in each round.
 FIXED_BURST = 10
 #: How far apart two schedules' measured steps must be for their order to count as measured, not noise: the goal's
-#: noise (issue 36's 3 %).
+#: noise.
 NOISE = 0.03
 #: A cost per (stage, kind) in seconds, and the time around each action (``'auto'``'s calibrated overhead).
 CostModel = Tuple[Callable[[int, Kind], float], float]
@@ -505,7 +507,7 @@ def _config(name: str) -> Config:
     return config
 
 
-def main() -> None:
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
@@ -519,19 +521,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=LAYERS, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
     parser.add_argument("--burst", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="a 4 x 8 MLP, batch 16, one round: checks that it runs")
+    args = parser.parse_args(argv)
     if args.rank is not None:
         rank_main(args.rank, [_config(name) for name in args.configs], args.batch, args.rounds, args.out,
                   args.spawned, args.layers, args.width, args.burst)
-        return
+        return {}
+    fixed_rounds, fixed_burst = max(args.rounds, 32), FIXED_BURST
+    if args.quick:
+        args.layers, args.width, args.batches, args.rounds = 4, 8, [16], 1
+        fixed_rounds, fixed_burst = 1, 2
     configs = [_config(name) for name in args.configs] if args.configs else CONFIGS
     print(f"machine: {machine_description()}; {WORLD} gloo ranks, 1 intra-op thread each; plain: 1 thread")
-    print(f"model: {LAYERS}x{WIDTH} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}; the {len(configs)} configurations "
-          f"in one pair of processes, a step of each in every round (in turn, the order rotating)")
+    print(f"model: {args.layers}x{args.width} Linear+ReLU MLP, MSE loss, chunks {CHUNKS}; the {len(configs)} "
+          "configurations in one pair of processes, a step of each in every round (in turn, the order rotating)")
     rows: List[List[Any]] = []
     results: Dict[str, Dict[str, Any]] = {}
     for batch in args.batches:
-        measured = measure(configs, batch, args.rounds)
+        measured = measure(configs, batch, args.rounds, layers=args.layers, width=args.width)
         for name, result in measured.items():
             results[f"{name} batch={batch}"] = result
             rows.append([name, batch, result["speedup"], result["of_ideal"], result["machine_line"],
@@ -553,8 +560,7 @@ def main() -> None:
     print()
     # The cost of a step itself: messages, threads, control; the model computes next to nothing.
     fixed: List[List[Any]] = []
-    measured = measure(configs, FIXED_BATCH, max(args.rounds, 32), layers=FIXED_LAYERS, width=FIXED_WIDTH,
-                       burst=FIXED_BURST)
+    measured = measure(configs, FIXED_BATCH, fixed_rounds, layers=FIXED_LAYERS, width=FIXED_WIDTH, burst=fixed_burst)
     for name, result in measured.items():
         results[f"{name} fixed cost"] = result
         cpu = result["cpu"]
@@ -565,15 +571,42 @@ def main() -> None:
     print(format_table(["configuration", "fixed cost of a step, ms", "vs pipelining", "after a barrier, ms",
                         "CPU ms", *(f"{kind} ms" for kind in THREAD_KINDS), "switches"], fixed))
     print(f"(median step time of a {FIXED_LAYERS}x{FIXED_WIDTH} MLP, batch {FIXED_BATCH}, chunks {CHUNKS}: "
-          f"{CHUNKS} micro-batches cross each way with next to no computing; steps {FIXED_BURST} back to back, as "
+          f"{CHUNKS} micro-batches cross each way with next to no computing; steps {fixed_burst} back to back, as "
           "in training, and one step after a barrier, which starts on idle threads and cold caches; vs pipelining: "
           "round by round, pipelining's same schedule's steps back to back / torchpipe's, the median and the rounds "
           "torchpipe was faster in; CPU ms: the CPU time of a step back to back, both ranks' threads together, then "
           "by kind of thread (main: the one that calls step(); gloo: the transports'; store: the torch.distributed "
           "store's server, in rank 0; other threads: the ones Python started); switches: their context switches a "
           "step. CPU ms / step time: how many cores the step keeps busy on average)")
+    figures = {"results": results, "goals": GOALS, "batches": args.batches, "rounds": args.rounds,
+               "model": [args.layers, args.width]}
     if args.json:
-        save_json(args.json, {"results": results, "goals": GOALS})
+        save_json(args.json, figures)
+    return figures
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): per configuration and batch, the speed-up over the plain
+    module, the share of the micro-batched ideal, the machine line, torchpipe against pipelining's same schedule,
+    the step time; then each configuration's fixed cost of a step (batch: "fixed cost")."""
+    goals = {int(batch): goal for batch, goal in results["goals"].items()}
+    rows = []
+    for key, r in results["results"].items():
+        name, _, batch = key.rpartition(" batch=")
+        if not name:
+            continue
+        ran = f" (ran {r['schedule']})" if name.startswith("torchpipe auto") else ""
+        rows.append([name + ran, int(batch), r["speedup"], r["of_ideal"], r["machine_line"], goals.get(int(batch)),
+                     _versus(r, "vs_rival") or None, r["pipe_ms"]])
+    rows += [[key[: -len(" fixed cost")], "fixed cost", None, None, None, None,
+              _versus(r, "burst_vs_rival") or None, r["pipe_burst_ms"]]
+             for key, r in results["results"].items() if key.endswith(" fixed cost")]
+    layers, width = results["model"]
+    notes = [f"A {layers} x {width} Linear+ReLU MLP, {CHUNKS} micro-batches, on {WORLD} gloo ranks; "
+             f"rounds: {results['rounds']}. The fixed cost: a {FIXED_LAYERS} x {FIXED_WIDTH} MLP, batch {FIXED_BATCH}, "
+             "steps back to back (its step ms)."]
+    return Summary(["configuration", "batch", "speed-up vs plain", "of ideal", "machine line", "goal",
+                    "vs pipelining (rounds ahead)", "step ms"], rows, notes)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The GPU check: torchpipe's CUDA tests and measurements on one GPU, in one command and one report.
 
-Written for the first GPU machine a session is lent (one H100 or H200, 16
-cores, no package registry): it needs torch and pytest, and transformers for
+Written for a GPU machine where nothing can be installed (one H100 or H200,
+16 cores, no package registry): it needs torch and pytest, and transformers for
 section 4 (which says so and is skipped where it is missing). Within
 ``--budget`` seconds (8 minutes by default) it writes ``report.md`` and
 ``report.json`` to ``--out``, headed by the GPU, torch, CUDA, Python and the
@@ -20,7 +20,7 @@ git commit:
    (``torchpipe.schedule.NAMES``), two workers on ``cuda:0``: step time, peak
    memory, and the loss and gradients against the plain module's; then one
    ``zbv`` stage's split backward against its one backward
-   (``split_backward.py``: on a CPU the split costs 1.14 to 1.19 of it).
+   (``experiments/split_backward.py``).
 4. ``language_models``: ``as_sequential`` on GPT-2 and Llama (transformers
    configs, nothing downloaded) in bf16 on the GPU: a two-stage Pipeline's loss
    and gradients against the plain model's, within bf16 tolerances, and the

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchpipe
-from benchmarks import models, split_backward
+from benchmarks import models
+from benchmarks.experiments import split_backward
 from benchmarks.harness import ROOT
 from benchmarks.harness.machine import cores
 from benchmarks.harness.memory import step_peak_bytes
@@ -402,7 +403,7 @@ def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: 
                           f"{loss:.6g}, relative {loss_rel_diff:.2e}; the largest gradient's relative error "
                           f"{worst:.2e}; tolerance {FLOAT32_RTOL:.0e})")
     drop_grads(pipe)
-    if name == "zero_bubble":  # its placement is chosen on its first steps: timed after them
+    if name == "zero_bubble":  # its split is chosen on its first steps: timed after them
         for _ in range(TUNING_STEPS):
             pipe.step(x, y)
             drop_grads(pipe)
@@ -438,8 +439,8 @@ def run_schedules(child: Child) -> None:
         for name in steps if name in measured]
     child.save()
     release(child.device)
-    # One zbv stage's split backward against its one backward (benchmarks/split_backward.py): on a CPU it costs
-    # 1.14 to 1.19 of it, and that is what zbv lacks against its machine line there.
+    # One zbv stage's split backward against its one backward (benchmarks/experiments/split_backward.py): what the
+    # split costs beyond the one backward is what zbv lacks against its machine line.
     stage_layers = max(1, layers // 4)
     child.results["split_backward"] = child.attempt("split backward", functools.partial(
         split_backward.run, SPLIT_BACKWARD_ROUNDS * child.sizes.rounds, stage_layers, max(1, batch // CHUNKS), width,

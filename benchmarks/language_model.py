@@ -1,4 +1,4 @@
-"""Cost of ``as_sequential`` on a language model: the traced GPT-2 against the plain one (issue 17's goal: <= 1.05).
+"""Cost of ``as_sequential`` on a language model: the traced GPT-2 against the plain one (the goal: <= 1.05).
 
 Builds a tiny GPT-2 from a config (nothing downloaded; needs ``transformers``)
 and prints the train step time (forward, ``mean().backward()`` of the logits,
@@ -19,7 +19,7 @@ default); inside GPipe, dropout draws from torchpipe's random streams.
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 
 import torchpipe  # noqa: E402
 from benchmarks.harness.machine import machine_description  # noqa: E402
-from benchmarks.harness.output import save_json  # noqa: E402
+from benchmarks.harness.output import Summary, save_json  # noqa: E402
 from benchmarks.harness.steps import train_step  # noqa: E402
 from benchmarks.harness.timing import Variant, compare  # noqa: E402
 from benchmarks.models import Logits  # noqa: E402
@@ -101,6 +101,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.json:
         save_json(args.json, results)
     return results
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): each configuration's step time over the plain model's."""
+    args = results["args"]
+    rows = [[name, row["ratio"], results["goal"], row["plain_s"] * 1e3] for name, row in results["ratios"].items()]
+    return Summary(["configuration", "step / plain", "goal", "plain ms"], rows,
+                   [f"GPT-2: layers {args['layers']}, width {args['width']}, vocabulary {args['vocab']}, dropout "
+                    f"{args['dropout']}; batch {args['batch']} x {args['length']} tokens; interleaved pairs: "
+                    f"{args['rounds']}."])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Language-model pipeline benchmark (issue 17): tokens/s of a GPT-2 pipelined by torchpipe, in one process and
+"""Language-model pipeline benchmark: tokens/s of a GPT-2 pipelined by torchpipe, in one process and
 over 2 gloo ranks, against the plain model, the same micro-batches by hand, and ``torch.distributed.pipelining``.
 
 The model is the one ``examples/train_lm.py`` trains: a GPT-2 from a
@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -67,7 +67,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint
 import torchpipe  # noqa: E402
 from benchmarks.harness.machine import intra_op_threads, machine_description  # noqa: E402
 from benchmarks.harness.memory import step_peak_bytes  # noqa: E402
-from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.output import Summary, format_table, save_json  # noqa: E402
 from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
 from benchmarks.harness.steps import (  # noqa: E402
     Step,
@@ -370,6 +370,22 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.json:
         save_json(args.json, results)
     return results
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): each variant's tokens/s over the plain model's, the
+    micro-batches by hand and pipelining's same schedule; its share of the ideal; its peak step memory per rank."""
+    rows = [[name, r["tokens_per_s"], r["vs_plain"], r["vs_by_hand"], r["vs_pipelining"], r["of_ideal"], r["step_ms"],
+             *r["peak_mib"]] for name, r in results["variants"].items()]
+    tied = results["tied_gradient_equals_plain"]
+    shape = results["shape"]
+    notes = [f"GPT-2: blocks {shape['layers']}, width {shape['width']}, tied; batch {shape['batch']} x "
+             f"{shape['length']} tokens in {shape['chunks']} micro-batches; interleaved rounds: {results['rounds']}.",
+             "The tied weight's gradient equals the plain model's on both ranks: " + "; ".join(
+                 f"{library} {'yes' if all(rank[library]['tied'] for rank in tied) else 'no'}"
+                 for library in ("torchpipe", "pipelining")) + "."]
+    return Summary(["variant", "tokens/s", "vs plain", "vs by hand", "vs pipelining", "of ideal", "step ms",
+                    "peak MiB rank 0", "peak MiB rank 1"], rows, notes)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,14 @@ ratio to the plain module's. ``--budget-mb`` adds, per mode, the largest batch
 (a multiple of ``--granularity``) whose step stays within the budget, found
 by doubling then bisecting, each probe in its own child.
 
-    python benchmarks/memory.py [--preset small|paper] [--models resnet101 unet amoebanet]
-        [--chunks 1 8] [--partitions 2] [--budget-mb 64] [--json out.json] [--plot out.png]
+    python benchmarks/memory.py [--preset small|paper|tiny] [--models resnet101 unet amoebanet] [--chunks 1 8]
+        [--modes never except_last always] [--partitions 2] [--budget-mb 64] [--json out.json] [--plot out.png]
 """
 import argparse
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.harness.machine import cores, default_device, machine_description, torchgpipe_module  # noqa: E402
 from benchmarks.harness.memory import cpu_peak_rss_bytes  # noqa: E402
-from benchmarks.harness.output import bar_plot, format_table, progress, save_json  # noqa: E402
+from benchmarks.harness.output import Summary, bar_plot, format_table, progress, save_json  # noqa: E402
 from benchmarks.harness.processes import run_in_child  # noqa: E402
 from benchmarks.harness.steps import train_step  # noqa: E402
 
@@ -116,7 +116,7 @@ def peak_table(args: argparse.Namespace, model: str, pool: ThreadPoolExecutor, b
     jobs: List[Tuple[str, Dict[str, Any]]] = [("plain", {"library": "plain"})]
     libraries = ["torchpipe"] + (["torchgpipe"] if args.torchgpipe else [])
     for library in libraries:
-        for checkpoint in MODES:
+        for checkpoint in args.modes:
             for chunks in args.chunks:
                 jobs.append((f"{library} {checkpoint} chunks={chunks}",
                              {"library": library, "checkpoint": checkpoint, "chunks": chunks}))
@@ -175,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--preset", choices=models.PRESETS, default="small")
     parser.add_argument("--models", nargs="+", choices=list(models.MODELS), default=list(models.MODELS))
     parser.add_argument("--chunks", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="checkpoint modes")
     parser.add_argument("--partitions", type=int, default=2, help="GPipe partitions (even split of layers)")
     parser.add_argument("--batch", type=int, default=None, help="mini-batch size (default: the preset's; 4x for small)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -198,8 +199,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"preset {args.preset}, {args.partitions} partitions (even split), memory = {how}; "
           f"torchgpipe: {'yes' if args.torchgpipe else 'no'}")
     results: Dict[str, Any] = {"preset": args.preset, "device": args.device, "partitions": args.partitions,
-                               "measure": how, "models": {}}
-    per_model = 1 + (2 if args.torchgpipe else 1) * len(MODES) * len(args.chunks)
+                               "measure": how, "budget_mb": args.budget_mb, "budget_chunks": args.budget_chunks,
+                               "models": {}}
+    per_model = 1 + (2 if args.torchgpipe else 1) * len(args.modes) * len(args.chunks)
     bar = progress(per_model * len(args.models), desc="memory", disable=args.quiet)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         tables = {m: peak_table(args, m, pool, bar) for m in args.models}
@@ -211,9 +213,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         results["models"][model] = {"batch": batch_of(args, model), "peak": table}
     if args.budget_mb:
         chunks = args.budget_chunks
-        searches = [("plain", "never")] + [("torchpipe", c) for c in MODES]
+        searches = [("plain", "never")] + [("torchpipe", c) for c in args.modes]
         if args.torchgpipe and args.budget_torchgpipe:
-            searches += [("torchgpipe", c) for c in MODES]
+            searches += [("torchgpipe", c) for c in args.modes]
         names = args.budget_models or args.models
         bar = progress(len(names) * len(searches) * 8, desc="largest batch", disable=args.quiet)
 
@@ -244,6 +246,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                  f"{machine_description()}", ylabel="x plain", reference=1.0)
         print(f"plot: {args.plot}")
     return results
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): each configuration's step memory over the plain module's and,
+    where ``--budget-mb`` searched, the largest batch within the budget."""
+    budget = results.get("budget_mb")
+    rows = []
+    for name, model in results["models"].items():
+        largest = model.get("largest_batch", {})
+        for label, m in model["peak"].items():
+            rows.append([name, model["batch"], label, m["step_bytes"] / MiB, m["ratio"],
+                         largest[label]["batch"] if label in largest else None])
+        rows += [[name, None, label, None, None, found["batch"]] for label, found in largest.items()
+                 if label not in model["peak"]]
+    return Summary(["model", "batch", "configuration", "step MiB", "x plain",
+                    f"largest batch in {budget:g} MiB" if budget else "largest batch"], rows,
+                   [f"Preset {results['preset']}, {results['partitions']} partitions, on {results['device']}: "
+                    f"{results['measure']}."])
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -67,7 +67,7 @@ from benchmarks import models  # noqa: E402
 from benchmarks.harness import ROOT  # noqa: E402
 from benchmarks.harness.machine import machine_description  # noqa: E402
 from benchmarks.harness.memory import step_peak_bytes  # noqa: E402
-from benchmarks.harness.output import format_table, progress, save_json  # noqa: E402
+from benchmarks.harness.output import Summary, format_table, progress, save_json  # noqa: E402
 from benchmarks.harness.processes import child_environment, free_port  # noqa: E402
 from benchmarks.harness.steps import Step, microbatched_train_step, train_step  # noqa: E402
 
@@ -546,6 +546,30 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.json:
         save_json(args.json, results)
     return results
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): per model and variant, the step time, the speed-up over the
+    plain module, the memory of its largest rank over the plain module's (parameters, optimizer state and the
+    step's peak), and the share of the step the gradient reduction left exposed."""
+    rows = []
+    for name, result in results["models"].items():
+        totals: Dict[str, Optional[float]] = {}
+        for label, ranks in result["memory"].items():
+            sizes = [None if m["transient_bytes"] is None else m["params_bytes"] + m["optimizer_bytes"]
+                     + m["transient_bytes"] for m in ranks]
+            totals[label] = None if None in sizes else max(s for s in sizes if s is not None)
+        plain = totals.get("plain")
+        for r in result["times"]:
+            total = totals.get(r["variant"])
+            reduction = result["reduction"].get(r["variant"])
+            rows.append([name, r["variant"], r["step_s"] * 1e3, r["speedup"],
+                         total / plain if total is not None and plain else None,
+                         reduction["exposed_s"] / reduction["step_s"] if reduction else None])
+    return Summary(["model", "variant", "step ms", "speed-up vs plain", "memory per rank / plain",
+                    "exposed reduction / step"], rows,
+                   [f"Interleaved rounds: {results['rounds']}; micro-batches of the pipeline: {results['chunks']}; "
+                    "memory: parameters, optimizer state and the step's peak on the largest rank."])
 
 
 def _load() -> str:

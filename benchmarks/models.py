@@ -1,8 +1,9 @@
 """Benchmark models as ``nn.Sequential``: ResNet-101-, U-Net- and AmoebaNet-D-style, each with size presets.
 
 Every builder takes a preset name, ``'small'`` (a whole speed benchmark in
-about a minute on a 2-core CPU) or ``'paper'`` (the GPU sizes of the GPipe and
-torchgpipe papers), and returns a :class:`Workload`: the module and the shape
+minutes on a 2-core CPU), ``'paper'`` (the GPU sizes of the GPipe and
+torchgpipe papers) or ``'tiny'`` (the same depth at the least width and
+batch: what checks that a benchmark runs), and returns a :class:`Workload`: the module and the shape
 of one mini-batch. Layers are flat so that a balancer has many places to cut:
 
 * ResNet-101: stem layers, then one element per bottleneck block (the
@@ -55,7 +56,7 @@ __all__ = [
     "Logits",
 ]
 
-PRESETS = ("small", "paper")
+PRESETS = ("small", "paper", "tiny")
 UNET_VARIANTS = ("plain", "tuple", "skip")
 
 Carried = Union[Tensor, Tuple[Tensor, ...]]
@@ -209,7 +210,7 @@ def resnet_by_hand(model: nn.Module) -> nn.Sequential:
 def _resnet_sizes(preset: str) -> Tuple[int, int, int, int]:
     """(width, image size, classes, batch): ``paper`` is torchvision's ImageNet model, ``small`` fits a CPU."""
     _check_preset(preset)
-    return (64, 224, 1000, 128) if preset == "paper" else (4, 32, 10, 32)
+    return {"paper": (64, 224, 1000, 128), "small": (4, 32, 10, 32), "tiny": (2, 32, 10, 8)}[preset]
 
 
 def resnet101(preset: str = "small") -> Workload:
@@ -280,7 +281,7 @@ def _unet_layers(preset: str) -> Tuple[List[Tuple[str, Optional[nn.Module], int]
     _check_preset(preset)
     # paper: torchgpipe's U-Net benchmark sizes (5 levels, 64 base channels, 192x192);
     # small: 3 levels, 16 base channels, 48x48.
-    levels, base, size, batch = (5, 64, 192, 32) if preset == "paper" else (3, 16, 48, 32)
+    levels, base, size, batch = {"paper": (5, 64, 192, 32), "small": (3, 16, 48, 32), "tiny": (2, 4, 16, 8)}[preset]
     spec: List[Tuple[str, Optional[nn.Module], int]] = []
     cin = 3
     for level in range(levels):
@@ -505,7 +506,8 @@ def amoebanet(preset: str = "small") -> Workload:
     ``small``: (6, 8), 16x16, 10 classes, batch 32.
     """
     _check_preset(preset)
-    cells, filters, size, classes, batch = (18, 256, 224, 1000, 128) if preset == "paper" else (6, 8, 16, 10, 32)
+    cells, filters, size, classes, batch = {"paper": (18, 256, 224, 1000, 128), "small": (6, 8, 16, 10, 32),
+                                            "tiny": (3, 4, 8, 10, 8)}[preset]
     stem = filters // 4 if preset == "paper" else filters
     layers: List[nn.Module] = [nn.Conv2d(3, stem, 3, 2 if preset == "paper" else 1, padding=1, bias=False),
                                nn.BatchNorm2d(stem), Twin()]

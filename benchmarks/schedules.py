@@ -31,18 +31,20 @@ over 2 workers, ``chunks`` 8, it prints
   same order.
 
 Goals (MLP): every schedule's step time <= 0.62 of the same micro-batches by
-hand (issue 18; the ideal is 9/16); ``zero_bubble`` no slower than ``1f1b``
-(issue 18); ``1f1b`` peak step memory <= 0.5 of ``gpipe``'s (issue 10); every schedule <= 1.05 of its
-machine line (issue 36).
+hand (the ideal is 9/16); ``zero_bubble`` no slower than ``1f1b``; ``1f1b``
+peak step memory <= 0.5 of ``gpipe``'s; every schedule <= 1.05 of its machine
+line. ``--models mlp-tiny`` (a 4 x 8 MLP, batch 16) only checks that it runs.
 
-    python benchmarks/schedules.py [--rounds 7] [--models mlp unet] [--chunks 8] [--json out.json]
+    python benchmarks/schedules.py [--rounds 7] [--models mlp unet mlp-tiny] [--chunks 8] [--schedules gpipe ...]
+        [--json out.json]
 """
 import argparse
 import os
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,7 +56,7 @@ import torchpipe  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.harness.machine import machine_description  # noqa: E402
 from benchmarks.harness.memory import cpu_peak_rss_bytes, reset_peak_rss  # noqa: E402
-from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.output import Summary, format_table, save_json  # noqa: E402
 from benchmarks.harness.processes import run_in_child  # noqa: E402
 from benchmarks.harness.steps import (  # noqa: E402
     Step,
@@ -79,10 +81,10 @@ CONFIGS: List[Tuple[str, str, int]] = [
     ("zbv (4 stages, V)", "zbv", 4),
     ("dualpipev (4 stages, V)", "dualpipev", 4),
 ]
-#: Issue 18: every schedule at most this fraction of the same micro-batches run by hand (ideal 9/16).
+#: Every schedule at most this fraction of the same micro-batches run by hand (ideal 9/16).
 TIME_GOAL = 0.62
 MEMORY_GOAL = 0.5
-#: Issue 36: every schedule at most this fraction of its machine line.
+#: Every schedule at most this fraction of its machine line.
 LINE_GOAL = 1.05
 
 
@@ -91,6 +93,8 @@ def workload(name: str) -> Tuple[nn.Sequential, Tensor, Tensor]:
     torch.manual_seed(0)
     if name == "mlp":
         return models.mlp(), torch.randn(1024, 512), torch.randn(1024, 512)
+    if name == "mlp-tiny":
+        return models.mlp(4, 8), torch.randn(16, 8), torch.randn(16, 8)
     if name == "unet":
         built = models.unet("small", "skip")
         assert isinstance(built.module, nn.Sequential)
@@ -137,7 +141,7 @@ def recorded_step(pipe: torchpipe.Pipeline, x: Tensor, y: Tensor) -> Tuple[Sched
     """One step recorded after one more as its warm-up, its gradients dropped: (the schedule it ran, its
     actions' spans)."""
     pipe.step(x, y)
-    # The schedule the recorded step runs: a zero-bubble placement still being decided may change after it.
+    # The schedule the recorded step runs: a zero-bubble split still being decided may change after it.
     schedule = pipe.schedule
     with trace.record_timeline() as timeline:
         pipe.step(x, y)
@@ -217,9 +221,9 @@ def memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> Dic
         def run(batch: slice) -> None:
             pipe.step(x[batch], y[batch])
 
-    # Gradients stay: later steps accumulate into them in place. A zero_bubble pipeline places its split first,
+    # Gradients stay: later steps accumulate into them in place. A zero_bubble pipeline chooses its split first,
     # on steps of the whole batch (the second runs every stage split, the most it may hold), and its peak
-    # starts again after them, so that the figure is the placement's it trains with (where the peak cannot be
+    # starts again after them, so that the figure is the split's it trains with (where the peak cannot be
     # reset, it includes them: an upper bound).
     run(warm)
     if schedule == "zero_bubble":
@@ -232,19 +236,22 @@ def memory(model: str, schedule: Optional[str], stages: int, chunks: int) -> Dic
     return {"step_bytes": max(0, cpu_peak_rss_bytes() - base)}
 
 
-def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
+def run(model: str, rounds: int, chunks: int, jobs: int = 2, schedules: Optional[Sequence[str]] = None
+        ) -> List[Dict[str, Any]]:
+    """Every row of ``model``'s table: the by-hand step's, each configuration's (those of ``schedules``, by
+    schedule name: all by default), GPipe's."""
     torch.set_num_threads(1)
-    plain_memory = step_memory(model, None, 1, chunks)
+    configs = [config for config in CONFIGS if schedules is None or config[1] in schedules]
     pipes: Dict[str, Tuple[torchpipe.Pipeline, Tensor, Tensor]] = {}
-    for name, schedule, stages in CONFIGS:
+    for name, schedule, stages in configs:
         pipe, x, y = pipes[name] = pipeline(model, schedule, stages, chunks)
-        if schedule == "zero_bubble":  # its placement first: measured, then tried against 1F1B on its own steps
+        if schedule == "zero_bubble":  # its split first: measured, then tried against 1F1B on its own steps
             for _ in range(TUNING_STEPS):
                 pipeline_step(pipe, x, y)()
     # Every step once a round (plain, by hand, each schedule): each ratio is over steps run seconds apart.
     variants = [Variant("plain", plain_step(model)), Variant("by hand", by_hand_step(model, chunks)),
                 Variant("two threads", two_threads_step(model, chunks)), Variant(GPIPE, gpipe_step(model, chunks))]
-    variants += [Variant(name, pipeline_step(*pipes[name])) for name, _, _ in CONFIGS]
+    variants += [Variant(name, pipeline_step(*pipes[name])) for name, _, _ in configs]
     times = round_robin(variants, rounds=rounds, warmup=1, desc=f"{model} round robin")
     plain_ms = statistics.median(times["plain"]) * 1e3
     two_threads = median_ratio(times, "two threads", "by hand")
@@ -255,13 +262,19 @@ def run(model: str, rounds: int, chunks: int) -> List[Dict[str, Any]]:
         "machine_line": two_threads * 2 * pipeline_ideal(2, chunks),
     }]
     bubbles: Dict[str, Tuple[float, float]] = {}
-    for name, schedule, stages in CONFIGS:
+    splits: Dict[str, List[int]] = {}
+    for name, _, _ in configs:
         pipe, x, y = pipes.pop(name)
         bubbles[name] = timeline_figures(pipe, x, y)
-        split = sorted({a.stage for a in pipe.schedule.actions() if a.kind is Kind.BACKWARD_INPUT})
+        splits[name] = sorted({a.stage for a in pipe.schedule.actions() if a.kind is Kind.BACKWARD_INPUT})
         del pipe
-        rows.append(_row(model, name, times, plain_ms, bubbles[name], split_stages=split,
-                         memory_ratio=step_memory(model, schedule, stages, chunks) / max(plain_memory, 1)))
+    # The peak memory of each, once the timing is done: a child process each, ``jobs`` at a time.
+    measured: List[Tuple[Optional[str], int]] = [(None, 1)] + [(schedule, stages) for _, schedule, stages in configs]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        plain_memory, *memories = pool.map(lambda config: step_memory(model, config[0], config[1], chunks), measured)
+    for (name, _, _), memory_bytes in zip(configs, memories):
+        rows.append(_row(model, name, times, plain_ms, bubbles[name], split_stages=splits[name],
+                         memory_ratio=memory_bytes / max(plain_memory, 1)))
     # GPipe runs Pipeline's 'gpipe' order: that schedule's simulated bubble is its ideal too.
     rows.append(_row(model, GPIPE, times, plain_ms, (bubbles["gpipe"][0], None)))
     return rows
@@ -285,21 +298,25 @@ def _row(model: str, name: str, times: Dict[str, List[float]], plain_ms: float,
     }
 
 
-def main() -> None:
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     # For the memory children (see memory()): freed tensors go back to the system at once.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--models", nargs="+", default=["mlp", "unet"], choices=["mlp", "unet"])
+    parser.add_argument("--models", nargs="+", default=["mlp", "unet"], choices=["mlp", "unet", "mlp-tiny"])
     parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--jobs", type=int, default=2, help="memory's child processes at a time (after the timing)")
+    parser.add_argument("--schedules", nargs="+", default=None, choices=[schedule for _, schedule, _ in CONFIGS],
+                        help="only these (gpipe and 1f1b always run: the others are compared with them)")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"machine: {machine_description()}; workers and plain with 1 intra-op thread each")
     headers = ["model / schedule", "step time / plain", "/ by hand", "/ 1f1b", "ideal", "/ machine line",
                "peak memory / plain", "simulated bubble", "measured idle"]
     rows: List[Dict[str, Any]] = []
     for model in args.models:
-        rows += run(model, args.rounds, args.chunks)
+        rows += run(model, args.rounds, args.chunks, args.jobs,
+                    None if args.schedules is None else {"gpipe", "1f1b", *args.schedules})
     print()
     print(format_table(headers, [[f"{r['model']} {r['schedule']}", r["time_ratio"], r.get("vs_by_hand"),
                                   r.get("vs_1f1b"), r.get("ideal"), r.get("vs_line"), r["memory_ratio"],
@@ -311,7 +328,7 @@ def main() -> None:
                   f"pipeline would take {r['two_threads']:.3f} x 2 x {pipeline_ideal(2, args.chunks):.4f} = "
                   f"{r['machine_line']:.3f} of it (its stages each touch half the weights: it may do better)")
     mlp_rows = {r["schedule"]: r for r in rows if r["model"] == "mlp" and r["memory_ratio"] is not None}
-    if mlp_rows:
+    if "zero_bubble" in mlp_rows:  # the goals, on the MLP with every schedule that has one
         worst = max(r["vs_by_hand"] for r in mlp_rows.values())
         memory_vs_gpipe = mlp_rows["1f1b"]["memory_ratio"] / mlp_rows["gpipe"]["memory_ratio"]
         print(f"\nMLP goals: every schedule <= {TIME_GOAL} of the same micro-batches by hand (worst {worst:.3f}, "
@@ -319,17 +336,32 @@ def main() -> None:
               f"({mlp_rows['zero_bubble']['vs_1f1b']:.3f}); "
               f"1f1b peak memory <= {MEMORY_GOAL} of gpipe's ({memory_vs_gpipe:.3f})")
         lines = {r["schedule"]: r["vs_line"] for r in rows if r["model"] == "mlp" and "vs_line" in r}
-        print(f"MLP goal (issue 36): every schedule <= {LINE_GOAL} of its machine line (worst "
+        print(f"MLP goal: every schedule <= {LINE_GOAL} of its machine line (worst "
               f"{max(lines.values()):.3f}: {max(lines, key=lambda name: lines[name])}; {GPIPE} {lines[GPIPE]:.3f})")
         split = mlp_rows["zero_bubble"]["split_stages"]
-        print(f"zero_bubble's placement: {'splits the backward of stages ' + str(split) if split else 'no stage split'}"
+        print(f"zero_bubble's split: {'splits the backward of stages ' + str(split) if split else 'no stage split'}"
               f"{'' if split else ' (the order of 1f1b)'}")
     medians = [f"{m} {statistics.median(r['plain_ms'] for r in rows if r['model'] == m):.0f} ms" for m in args.models]
     print(f"(ratios: median over rounds that run every step once, of the two steps' times in the same round; "
           f"/ by hand: over the same micro-batches run by hand through the plain module; ideal: (m + p - 1) / (m p) "
           f"of that; plain step medians: {', '.join(medians)})")
+    results = {"rows": rows, "chunks": args.chunks, "rounds": args.rounds,
+               "goals": {"time": TIME_GOAL, "memory_vs_gpipe": MEMORY_GOAL, "machine_line": LINE_GOAL}}
     if args.json:
-        save_json(args.json, {"rows": rows, "goals": {"time": TIME_GOAL, "memory_vs_gpipe": MEMORY_GOAL}})
+        save_json(args.json, results)
+    return results
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): each schedule's step time over the plain step's, the
+    by-hand step's, 1F1B's and its machine line; its peak step memory over the plain step's."""
+    rows = [[r["model"], r["schedule"], r["time_ratio"], r.get("vs_by_hand"), r.get("vs_1f1b"), r.get("vs_line"),
+             r["memory_ratio"], r["simulated_bubble"], r["measured_idle"]] for r in results["rows"]]
+    notes = [f"{r['model']}: two bare threads, each with half the by-hand micro-batches, take {r['two_threads']:.3f} "
+             f"of the by-hand step (0.500 on two free cores); a 2-stage pipeline at that pace takes "
+             f"{r['machine_line']:.3f} of it." for r in results["rows"] if "machine_line" in r]
+    return Summary(["model", "schedule", "step / plain", "step / by hand", "step / 1f1b", "step / machine line",
+                    "peak memory / plain", "simulated bubble", "measured idle"], rows, notes)
 
 
 if __name__ == "__main__":

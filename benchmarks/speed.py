@@ -20,7 +20,7 @@ On CPU every partition is a ``'cpu'`` device and each partition's worker gets
 cores. On CUDA partition j is ``cuda:j`` (configurations needing more GPUs
 than there are are skipped).
 
-    python benchmarks/speed.py [--preset small|paper] [--models resnet101 unet amoebanet resnet50-traced]
+    python benchmarks/speed.py [--preset small|paper|tiny] [--models resnet101 unet amoebanet resnet50-traced]
         [--configs 1x1 2x4 2x8 4x8] [--balance time|even] [--json out.json] [--plot out.png]
         [--timeline DIR]
 """
@@ -29,7 +29,7 @@ import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,12 +47,12 @@ from benchmarks.harness.machine import (  # noqa: E402
     machine_description,
     torchgpipe_module,
 )
-from benchmarks.harness.output import bar_plot, format_table, save_json  # noqa: E402
+from benchmarks.harness.output import Summary, bar_plot, format_table, save_json  # noqa: E402
 from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
 from benchmarks.harness.timing import Variant, compare  # noqa: E402
 from benchmarks.models import even_balance  # noqa: E402
 
-DEFAULT_CONFIGS = {"small": ["1x1", "2x4", "2x8", "4x8"], "paper": ["1x1", "2x8", "4x16", "8x32"]}
+DEFAULT_CONFIGS = {"small": ["1x1", "2x4", "2x8", "4x8"], "paper": ["1x1", "2x8", "4x16", "8x32"], "tiny": ["2x2"]}
 
 #: Models of this benchmark that are not in benchmarks.models.MODELS: built here.
 TRACED = "resnet50-traced"
@@ -322,6 +322,23 @@ def print_model(workload: models.Workload, rows: Sequence[Dict[str, Any]]) -> No
           "the same micro-batches through the plain module by hand, one after another, with the plain module's "
           "threads; time / micro-batched: the pipeline's step time over theirs; ideal: (m + p - 1) / (m p), the "
           "best a pipeline of p stages on p cores can do against m micro-batches on one core)", flush=True)
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): per model and configuration, throughput over the plain
+    module's (> 1 is faster), by torchpipe, by the same micro-batches by hand, and by torchgpipe where it ran."""
+    rows = []
+    for name, model in results["models"].items():
+        for r in model["configs"]:
+            ours, hand = r["torchpipe"], r["by hand"]
+            theirs, versus = r.get("torchgpipe"), r.get("traced_vs_hand")
+            rows.append([name, f"{r['partitions']}x{r['chunks']}", ours["plain_samples_per_s"],
+                         ours["samples_per_s"], ours["throughput_ratio"], hand["throughput_ratio"],
+                         ours["time_ratio"] / hand["time_ratio"], pipeline_ideal(r["partitions"], r["chunks"]),
+                         theirs["throughput_ratio"] if theirs else None, versus["time_ratio"] if versus else None])
+    return Summary(["model", "partitions x chunks", "plain samples/s", "torchpipe samples/s", "x plain",
+                    "by hand x plain", "time / by hand", "ideal", "torchgpipe x plain", "traced / hand-written time"],
+                   rows, [f"Preset {results['preset']}, checkpoint {results['checkpoint']!r}, on {results['device']}."])
 
 
 def plot(results: Dict[str, Any], path: str) -> None:

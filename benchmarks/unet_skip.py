@@ -1,4 +1,4 @@
-"""U-Net skip benchmark (issue 3): long skips carried as tuples through every layer versus ``torchpipe.skip``.
+"""U-Net skip benchmark: long skips carried as tuples through every layer versus ``torchpipe.skip``.
 
 Builds the same U-Net three ways (same layers, same weights; see
 :mod:`benchmarks.models`): the plain module (skips kept by its ``forward``),
@@ -9,13 +9,14 @@ to the popping one. Prints each GPipe variant's training-step time as a ratio
 to the plain module's, interleaved in pairs in one run (medians), on CPU with
 ``'cpu'`` partitions; torchgpipe's stash/pop beside ours when importable.
 
-    python benchmarks/unet_skip.py [--preset small] [--configs 2x8 4x8] [--checkpoint except_last] [--json out.json]
+    python benchmarks/unet_skip.py [--preset small|paper|tiny] [--configs 2x8 4x8] [--checkpoint except_last]
+        [--json out.json]
 """
 import argparse
 import copy
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,7 +27,7 @@ from torch import nn  # noqa: E402
 import torchpipe  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.harness.machine import cores, intra_op_threads, machine_description, torchgpipe_module  # noqa: E402
-from benchmarks.harness.output import format_table, save_json  # noqa: E402
+from benchmarks.harness.output import Summary, format_table, save_json  # noqa: E402
 from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
 from benchmarks.harness.timing import Variant, compare  # noqa: E402
 from benchmarks.speed import find_balance, parse_config  # noqa: E402
@@ -107,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         rows.append([text, ",".join(map(str, balance)), hand, *ratios, skip_vs_hand,
                      pipeline_ideal(partitions, chunks)])
         results["configs"].append({"partitions": partitions, "chunks": chunks, "balance": balance,
+                                   "ideal": pipeline_ideal(partitions, chunks),
                                    **{name: c.as_dict() for name, c in compared.items()}})
     print(format_table(["partitions x chunks", "balance", "micro-batched / plain", "tuple / plain",
                         "stash/pop / plain", "torchgpipe stash/pop / plain", "stash/pop / micro-batched",
@@ -118,6 +120,21 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         save_json(args.json, results)
         print(f"json: {args.json}")
     return results
+
+
+def summary(results: Mapping[str, Any]) -> Summary:
+    """RESULTS.md's table of a run (see run_all.py): each variant's step time over the plain U-Net's."""
+    rows = []
+    for config in results["configs"]:
+        ratio = {name: config[name]["ratio"] if name in config else None
+                 for name in ("by hand", "torchpipe tuple", "torchpipe skip", "torchgpipe skip")}
+        skip, hand = ratio["torchpipe skip"], ratio["by hand"]
+        rows.append([f"{config['partitions']}x{config['chunks']}", ratio["by hand"], ratio["torchpipe tuple"], skip,
+                     ratio["torchgpipe skip"], skip / hand if skip is not None and hand else None, config["ideal"]])
+    return Summary(["partitions x chunks", "by hand / plain", "tuple / plain", "stash/pop / plain",
+                    "torchgpipe stash/pop / plain", "stash/pop / by hand", "ideal"], rows,
+                   [f"Preset {results['preset']}, checkpoint {results['checkpoint']!r}; step time over the plain "
+                    "U-Net's (< 1 is faster)."])
 
 
 if __name__ == "__main__":

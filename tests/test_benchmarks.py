@@ -1,13 +1,19 @@
-"""The benchmarks import, their models build and train on a tiny batch, and the U-Net variants agree.
+"""The benchmarks: their models and harness, and every benchmark run once on the tiny preset of run_all.py, which
+writes a RESULTS.md with one table per benchmark.
 
-No timing is asserted: these only keep the benchmark code from rotting.
+No test asserts how large a measured figure is, or how two compare (a busy machine moves them): only that each
+figure is there, of its kind, and that what holds by construction holds.
 """
 import importlib
+import json
+import math
+import re
+import shutil
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -17,18 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import models  # noqa: E402
+from benchmarks import models, run_all  # noqa: E402
 from benchmarks.harness.cpu import THREAD_KINDS, thread_cpu  # noqa: E402
 from benchmarks.harness.machine import machine_description  # noqa: E402
-from benchmarks.harness.output import format_table  # noqa: E402
-from benchmarks.harness.steps import drop_grads, microbatched_train_step, pipeline_step, train_step  # noqa: E402
+from benchmarks.harness.output import Summary, cell, format_table, markdown_table  # noqa: E402
+from benchmarks.harness.steps import drop_grads, microbatched_train_step, train_step  # noqa: E402
 from benchmarks.harness.timing import Variant, compare, median_ratio, rotated, round_robin  # noqa: E402
 
 HARNESS = ["harness", "harness.machine", "harness.steps", "harness.timing", "harness.memory", "harness.cpu",
            "harness.processes", "harness.output"]
-MODULES = HARNESS + ["models", "speed", "memory", "unet_skip", "overhead", "run_all", "schedules", "distributed",
-                     "data_parallel", "language_model", "lm_pipeline", "mesh", "gpu_check", "gpu_sections",
-                     "gpu_report", "split_backward", "merged_backwards", "cost_model"]
+MODULES = HARNESS + ["models", "run_all", "gpu_check", "gpu_sections", "gpu_report"] + run_all.NAMES
+#: The tiny run takes minutes on a loaded 2-core machine: the tests that wait for it get this long.
+TINY_TIMEOUT = 1800
 
 
 def has(module: str) -> bool:
@@ -39,10 +45,32 @@ def has(module: str) -> bool:
     return True
 
 
+def positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def figure(value: Any) -> bool:
+    """A measured figure: a finite number (of any sign: a difference of two timings may come out below 0)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --- the modules, models and harness ---------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_benchmark_module_imports(name: str) -> None:
     module = importlib.import_module(f"benchmarks.{name}")
     assert module.__doc__
+    if name in run_all.NAMES:
+        assert callable(getattr(module, "summary", None)), f"benchmarks/{name}.py has no summary() for RESULTS.md"
+
+
+def test_every_benchmark_script_is_run_by_run_all_or_is_a_part() -> None:
+    # A script a user runs is in run_all.py (and so in RESULTS.md); the rest are the GPU check's parts, the
+    # models and run_all itself. Experiments live in benchmarks/experiments/, outside both.
+    scripts = {path.stem for path in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
+    parts = {"models", "run_all", "gpu_check", "gpu_sections", "gpu_report"}
+    assert scripts - parts == set(run_all.NAMES)
 
 
 def tiny(shape: Tuple[int, ...], batch: int = 2) -> torch.Tensor:
@@ -50,8 +78,9 @@ def tiny(shape: Tuple[int, ...], batch: int = 2) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["resnet101", "amoebanet"])
-def test_model_builders_train_on_a_tiny_batch(name: str) -> None:
-    workload = models.build(name, "small")
+@pytest.mark.parametrize("preset", ["small", "tiny"])
+def test_model_builders_train_on_a_tiny_batch(name: str, preset: str) -> None:
+    workload = models.build(name, preset)
     assert isinstance(workload.module, nn.Sequential)
     x = tiny(workload.input_shape)
     output = workload.module(x)
@@ -62,8 +91,6 @@ def test_model_builders_train_on_a_tiny_batch(name: str) -> None:
 
 @pytest.mark.parametrize("variant", ["plain", "tuple", "skip"])
 def test_unet_variants_build_and_train(variant: str) -> None:
-    if variant == "skip" and not has("torchpipe.skip"):
-        pytest.skip("torchpipe.skip is not importable yet")
     workload = models.unet("small", variant)
     x = tiny(workload.input_shape)
     output = workload.module(x)
@@ -76,9 +103,8 @@ def test_unet_variants_agree_given_the_same_weights() -> None:
     workload = models.unet("small", "plain")
     reference = workload.module
     x = tiny(workload.input_shape)
-    apis = ["torchpipe", "torchgpipe"]
     built = {"tuple": models.unet("small", "tuple").module}
-    for api in apis:
+    for api in ["torchpipe", "torchgpipe"]:
         if has(f"{api}.skip"):
             built[f"skip-{api}"] = models.unet("small", "skip", api=api).module
     x.requires_grad_(True)
@@ -103,8 +129,6 @@ def test_same_seed_gives_the_same_unet_weights() -> None:
 
 @pytest.mark.parametrize("variant", ["tuple", "skip"])
 def test_unet_under_gpipe_equals_plain(variant: str) -> None:
-    if variant == "skip" and not has("torchpipe.skip"):
-        pytest.skip("torchpipe.skip is not importable yet")
     import torchpipe
 
     torch.manual_seed(0)
@@ -117,7 +141,7 @@ def test_unet_under_gpipe_equals_plain(variant: str) -> None:
     torch.testing.assert_close(pipe(x), plain(x))
 
 
-def test_harness_compare_and_table() -> None:
+def test_harness_compare_and_tables() -> None:
     calls = []
     plain = Variant("plain", lambda: calls.append("p"))
     other = Variant("other", lambda: calls.append("o"), threads=1)
@@ -127,6 +151,10 @@ def test_harness_compare_and_table() -> None:
     table = format_table(["a", "b"], [["x", 1.5], ["y", None]])
     assert "1.500" in table and "n/a" in table
     assert "torch" in machine_description()
+    assert [cell(v) for v in (0.9876, 12.34, 1234.5, None, True, [1.0, 2], "a|b")] == [
+        "0.988", "12.3", "1234", "n/a", "yes", "1.000, 2", "a|b"]
+    assert markdown_table(["a", "b"], [["x|y", 1.5]]) == "| a | b |\n|---|---|\n| x\\|y | 1.500 |"
+    assert Summary(["a"], [[1]], ["a note"]).markdown() == "| a |\n|---|\n| 1 |\n\na note"
 
 
 def test_round_robin_runs_every_step_once_a_round_in_a_rotating_order() -> None:
@@ -142,6 +170,13 @@ def test_round_robin_runs_every_step_once_a_round_in_a_rotating_order() -> None:
     calls.clear()
     round_robin(steps, rounds=2, warmup=0, quiet=True, rotate=False)
     assert calls == list("abc" "abc")
+
+
+def test_rounds_rotate_the_order_of_their_steps() -> None:
+    orders = [rotated("abcd", round_) for round_ in range(8)]
+    assert orders[:4] == [list("abcd"), list("bcda"), list("cdab"), list("dabc")] and orders[4:] == orders[:4]
+    # Over 4 rounds each configuration runs once in each place.
+    assert all(sorted(order[place] for order in orders[:4]) == list("abcd") for place in range(4))
 
 
 def test_the_by_hand_yardstick_gives_the_whole_batchs_gradients() -> None:
@@ -164,6 +199,31 @@ def test_the_by_hand_yardstick_gives_the_whole_batchs_gradients() -> None:
         assert all(p.grad is None for p in model.parameters())
     with pytest.raises(AssertionError, match="loss_fn"):
         train_step(model, x, target=y)()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread_cpu reads /proc")
+def test_thread_cpu_counts_each_kind_of_thread() -> None:
+    stop = threading.Event()
+    spun = threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        stop.wait()
+
+    before = thread_cpu()
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert spun.wait(30)
+        after = thread_cpu()  # the thread is still there: its CPU counts
+    finally:
+        stop.set()
+        thread.join()
+    assert after["other threads"][0] - before.get("other threads", (0.0, 0))[0] >= 0.2, (before, after)
+    assert after["main"][0] >= before["main"][0] and after["main"][1] >= before["main"][1]
 
 
 def test_speed_helpers() -> None:
@@ -203,221 +263,15 @@ def test_traced_resnet50_is_cut_like_the_hand_written_one() -> None:
     torch.testing.assert_close(hand.eval()(x), entry.plain(x))
 
 
-def test_speed_runs_the_traced_resnet50(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import speed
-
-    results = speed.main(["--models", "resnet50-traced", "--configs", "2x2", "--rounds", "1", "--warmup", "0",
-                          "--balance", "even", "--quiet", "--resnet50-image", "32"])
-    row = results["models"]["resnet50-traced"]["configs"][0]
-    assert {"torchpipe", "hand-written", "traced_vs_hand"} <= set(row)
-    assert "traced/hand time" in capsys.readouterr().out
-
-
-def test_the_schedules_benchmark_runs_its_steps_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import models, schedules
-
-    monkeypatch.setattr(schedules, "workload", lambda name: (models.mlp(4, 8), torch.randn(16, 8),
-                                                             torch.randn(16, 8)))
-    for _, schedule, stages in schedules.CONFIGS:
-        pipe, x, y = schedules.pipeline("mlp", schedule, stages, 4)
-        pipeline_step(pipe, x, y)()
-        # zero_bubble's placement is still being decided here: its schedule may change after the timed step,
-        # whose own schedule is the one simulated (simulating the next one's failed on a cost never measured).
-        simulated, idle = schedules.timeline_figures(pipe, x, y)
-        assert 0.0 <= simulated < 1.0 and 0.0 <= idle < 1.0
-    schedules.by_hand_step("mlp", 4)()
-    # The whole run's rows (its memory figures come from child processes, left out here).
-    monkeypatch.setattr(schedules, "step_memory", lambda *args: 1)
-    rows = {row["schedule"]: row for row in schedules.run("mlp", rounds=2, chunks=4)}
-    assert set(rows) == ({"plain, 4 micro-batches by hand", schedules.GPIPE}
-                         | {name for name, _, _ in schedules.CONFIGS})
-    assert rows["1f1b"]["vs_1f1b"] == 1.0 and rows["zero_bubble"]["vs_1f1b"] > 0
-    # Each schedule's machine line: the two bare threads' step times twice its ideal, from its simulated bubble;
-    # GPipe, which runs the 'gpipe' order, shares that schedule's.
-    for row in rows.values():
-        if "vs_line" in row:
-            assert row["ideal"] == pytest.approx(1 / (2 * (1 - row["simulated_bubble"]))) and row["vs_line"] > 0
-    assert rows[schedules.GPIPE]["ideal"] == rows["gpipe"]["ideal"]
-    # The ideals come from each step's measured costs, on a 4 x 8 MLP mostly noise: their order is not asserted
-    # (under CI's load zbv's came out 0.696 against gpipe's 0.654, which failed a clean run).
-    by_hand = rows["plain, 4 micro-batches by hand"]
-    assert by_hand["two_threads"] > 0 and by_hand["machine_line"] == by_hand["two_threads"] * 2 * (4 + 1) / 8
-    assert all(row["split_stages"] == [] for name, row in rows.items() if name in ("gpipe", "1f1b"))
-    # The memory figure (in-process here): zero_bubble's after its placement's steps, on every schedule a size.
-    threads = torch.get_num_threads()
-    try:
-        for _, schedule, stages in schedules.CONFIGS:
-            assert schedules.memory("mlp", schedule, stages, 4)["step_bytes"] >= 0
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_the_distributed_benchmark_measures_both_libraries_round_by_round(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_distributed_benchmark_compares_round_by_round_and_simulates_each_map() -> None:
     from benchmarks import distributed
-
-    configs = [("torchpipe", "1f1b"), ("pipelining", "Schedule1F1B"), ("torchpipe", "gpipe"), ("torchpipe", "zbv"),
-               ("pipelining", "ScheduleZBVZeroBubble"), ("torchpipe", "auto"), ("torchpipe", "auto-4"),
-               ("torchpipe", "looped_bfs")]
-    assert set(configs) <= set(distributed.CONFIGS) and distributed.RIVALS[configs[0]] == configs[1]
-    figures = distributed.measure(configs, batch=16, rounds=2, timeout=180, burst=2)
-    assert set(figures) == {"torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe gpipe", "torchpipe zbv",
-                            "pipelining ScheduleZBVZeroBubble", "torchpipe auto", "torchpipe auto-4",
-                            "torchpipe looped_bfs"}
-    # 'auto' chose within its placement; every torchpipe schedule's step was predicted from the costs the 'auto'
-    # on stages of its size measured; 'auto' is compared with every fixed schedule round by round.
-    assert figures["torchpipe auto"]["schedule"] in ("1f1b", "zero_bubble", "gpipe")
-    assert figures["torchpipe auto-4"]["schedule"] in ("zbv", "dualpipev")
-    for name, result in figures.items():
-        assert (result.get("predicted_ms", 0) > 0) == name.startswith("torchpipe"), name
-        assert (result.get("predicted_round_ms", 0) > 0) == name.startswith("torchpipe"), name
-        assert ("round_error" in result) == name.startswith("torchpipe"), name
-        # The calibrated time around each action on the schedule's own map (the loop's measured by a pipeline of
-        # its own): at set-up and over the rounds.
-        assert (len(result.get("map_overhead_ms", ())) == 2) == name.startswith("torchpipe"), name
-        assert all(ms >= 0 for ms in result.get("map_overhead_ms", ())), name
-    # Each on its own map: the loop's schedules from a measuring pipeline on the loop, not in the V.
-    assert figures["torchpipe looped_bfs"]["measured_on"] == [0, 1, 0, 1]
-    assert figures["torchpipe zbv"]["measured_on"] == figures["torchpipe auto-4"]["measured_on"] == [0, 1, 1, 0]
-    assert figures["torchpipe 1f1b"]["measured_on"] == [0, 1]
-    assert figures["torchpipe auto"]["overhead_ms"] >= 0 and figures["torchpipe auto"]["measured_costs_ms"]
-    assert figures["torchpipe auto"]["relayout_ms"] > 0, "its first step's messages waited for their layouts"
-    assert figures["torchpipe auto-4"]["may_choose"] == ["zbv"], "dualpipev holds more than 1F1B"
-    assert figures["torchpipe auto"]["schedule"] in figures["torchpipe auto"]["may_choose"]
-    assert set(figures["torchpipe auto-4"]["vs_fixed"]) == {"torchpipe 1f1b", "torchpipe gpipe", "torchpipe zbv",
-                                                            "torchpipe looped_bfs"}
-    distributed._print_model(figures, 16)
-    printed = capsys.readouterr().out
-    assert "fastest first: measured" in printed and "torchpipe auto (ran " in printed
-    assert "fixed schedule it may choose (within 1F1B's activations), torchpipe zbv" in printed
-    assert "vs_rival" in figures["torchpipe zbv"], "the V's two stages per rank, beside pipelining's same class"
-    for name, result in figures.items():
-        assert result["speedup"] > 0 and result["plain_ms"] > 0 and result["pipe_ms"] > 0, name
-        assert result["pipe_burst_ms"] > 0  # steps back to back: the fixed cost's figure
-        assert 0 < result["first_step_s"] < 120 and 0 < result["start_s"] < 120
-        # Two processes each doing half the work at once take more than a quarter and less than twice the time
-        # of one doing both halves; the machine line is the ideal's share that allows.
-        assert 0.25 < result["two_processes"] < 2 and result["machine_line"] == 0.5 / result["two_processes"]
-        # The CPU of the steps back to back, per rank and kind of thread: every rank has its main thread, which
-        # waited for messages (context switches), and gloo's threads.
-        assert len(result["cpu"]) == distributed.WORLD
-        for rank in result["cpu"]:
-            assert {"main", "gloo"} <= set(rank) <= set(THREAD_KINDS), (name, rank)
-            assert all(ms >= 0 and switches >= 0 for ms, switches in rank.values()), (name, rank)
-            assert rank["main"][1] > 0, (name, rank)
-    # One pair of processes ran them all, round by round: the machine line and yardsticks are shared.
-    assert len({result["two_processes"] for result in figures.values()}) == 1
-    assert len({result["hand_ms"] for result in figures.values()}) == 1
-    # torchpipe's 1f1b against Schedule1F1B in the same rounds; gpipe's rival was not measured.
-    for key in ("vs_rival", "burst_vs_rival"):
-        against = figures["torchpipe 1f1b"][key]
-        assert against["rounds"] == 2 and 0 <= against["ahead"] <= 2 and against["ratio"] > 0
-        assert key not in figures["torchpipe gpipe"] and key not in figures["pipelining Schedule1F1B"]
-
-
-def test_the_prediction_is_judged_on_the_pairs_the_measurement_orders() -> None:
-    from benchmarks.distributed import ordered_pairs
-
-    measured = {"a": 100.0, "b": 101.0, "c": 110.0}
-    # Right about a < c and b < c; wrong about a < b, which only 1 % separates: noise at a 3 % threshold.
-    predicted = {"a": 95.0, "b": 94.0, "c": 120.0}
-    assert ordered_pairs(measured, predicted) == (2, 3)
-    assert ordered_pairs(measured, predicted, 0.03) == (2, 2)
-    assert ordered_pairs(measured, {"a": 1.0, "b": 2.0, "c": 0.5}, 0.03) == (0, 2)
-
-
-def test_the_cost_model_finds_the_charge_the_steps_took() -> None:
-    # Steps whose workers spent a time around each action (as on 2 gloo ranks, issue 36): for every schedule of a
-    # map the time per action comes out the same, and predicts the others' steps from the first's; the hop that
-    # explains each schedule's own steps differs from schedule to schedule.
-    from benchmarks import cost_model
-    from torchpipe.schedule import Kind, build, merge_backwards, simulate
-
-    own = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.2, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.3}
-    around = 0.1
-
-    def charged(action: Any) -> float:
-        return own[action.kind] + around
-
-    ranks: List[Any] = [{"steps": {}, "schedules": {}}, {"steps": {}, "schedules": {}}]
-    for name in [name for names in cost_model.MAPS.values() for name in names]:
-        schedule = merge_backwards(build(name, 8, 4, 2), charged)
-        ran = simulate(schedule, charged)
-        spans = [[str(a), ran.start[a], ran.start[a] + own[a.kind]] for a in schedule.actions()]  # the work alone
-        ranks[0]["steps"][name] = [spans, spans]
-        ranks[1]["steps"][name] = [[], []]
-        ranks[0]["schedules"][name] = [[str(a) for a in actions] for actions in schedule.workers]
-    results = cost_model.analyse(ranks)
-    for name, result in results.items():
-        assert result["per_action_ms"] == pytest.approx([around * 1e3] * 3, rel=1e-6), name
-        assert result["error_per_action"] == pytest.approx(0.0, abs=1e-9), name
-    loop = [results[name]["hop_ms"][0] for name in cost_model.MAPS["loop"]]
-    assert max(loop) > 1.2 * min(loop), f"a hop's time depends on the schedule: {loop}"
-    assert max(abs(results[name]["error_by_hop"]) for name in cost_model.MAPS["loop"]) > 0.01
-
-
-def test_the_cost_model_tells_what_runs_of_one_stage_save() -> None:
-    # looped_bfs runs a stage's actions of a kind back to back; on 2 gloo ranks at batch 256 the third and later
-    # of a run took 0.88 to 0.94 of their typical time, its first 1.08 to 1.12 (issue 36, the twenty-first
-    # session). The measuring step's runs are two long at most, so its costs cannot tell: here steps whose later
-    # actions in a run are cheaper are mispredicted per action, and predicted exactly once each place's factor is
-    # known, which the table finds.
-    from benchmarks import cost_model
-    from torchpipe.schedule import Kind, build, merge_backwards, simulate
-
-    own = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.2, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.3}
-    later, around = 0.8, 0.1
-    ranks: List[Any] = [{"steps": {}, "schedules": {}}, {"steps": {}, "schedules": {}}]
-    for name in [name for names in cost_model.MAPS.values() for name in names]:
-        schedule = merge_backwards(build(name, 8, 4, 2), lambda a: own[a.kind])
-        places = cost_model.run_places(schedule)
-
-        def work(action: Any, places: Dict[Any, int] = places) -> float:
-            return own[action.kind] * (later if places[action] == 2 else 1.0)
-
-        ran = simulate(schedule, lambda a: work(a) + around)
-        spans = [[str(a), ran.start[a], ran.start[a] + work(a)] for a in schedule.actions()]
-        ranks[0]["steps"][name] = [spans, spans]
-        ranks[1]["steps"][name] = [[], []]
-        ranks[0]["schedules"][name] = [[str(a) for a in actions] for actions in schedule.workers]
-    looped = cost_model.run_places(merge_backwards(build("looped_bfs", 8, 4, 2), lambda a: own[a.kind]))
-    assert sorted(looped.values()).count(2) == 4 * (8 - 2) * 2  # each stage's F and B in runs of 8
-    assert max(cost_model.run_places(build("interleaved_zero_bubble", 8, 4, 2)).values()) < 2
-    results = cost_model.analyse(ranks)
-    assert results["looped_bfs"]["runs"]["later"] == [pytest.approx(later), 4 * 6 * 2 * 2]
-    assert results["looped_bfs"]["runs"]["first"][0] == pytest.approx(1.0)
-    assert results["interleaved_zero_bubble"]["runs"]["later"] == [None, 0]
-    assert results["looped_bfs"]["error_per_action"] > 0.02  # simulated slower than it ran
-    for name in cost_model.MAPS["loop"]:
-        assert results[name]["error_runs_known"] == pytest.approx(0.0, abs=1e-9), name
-
-
-def test_the_cost_model_benchmark_runs_on_two_ranks() -> None:
-    from benchmarks import cost_model
-
-    results = cost_model.measure(batch=16, rounds=1, timeout=240, layers=4, width=8)
-    assert set(results) == {name for names in cost_model.MAPS.values() for name in names}
-    for name, result in results.items():
-        assert result["step_ms"] > 0 and result["per_action_ms"][0] >= 0 and result["hop_ms"][0] >= 0, name
-        assert result["predicted_from"] == cost_model.MAPS[result["map"]][0]
-
-
-def test_rounds_rotate_the_order_of_their_steps() -> None:
-    orders = [rotated("abcd", round_) for round_ in range(8)]
-    assert orders[:4] == [list("abcd"), list("bcda"), list("cdab"), list("dabc")] and orders[4:] == orders[:4]
-    # Over 4 rounds each configuration runs once in each place.
-    assert all(sorted(order[place] for order in orders[:4]) == list("abcd") for place in range(4))
-
-
-def test_the_distributed_benchmark_against_figures() -> None:
-    from benchmarks import distributed
+    from torchpipe.schedule import Kind, build, simulate
 
     against = distributed._against([2.0, 1.0, 3.0], [1.0, 2.0, 2.0])  # rival / ours: 2.0, 0.5, 1.5
     assert against == {"ratio": 1.5, "ahead": 2, "rounds": 3}
     assert distributed._versus({"vs_rival": against}, "vs_rival") == "1.500 (2/3)"
     assert distributed._versus({}, "vs_rival") == ""
-    # Each schedule is simulated from the costs measured on its own map: the loop's are not the V's (issue 36:
-    # 5 of the 9 pairs the simulation misordered held looped_bfs, simulated from the V's costs).
-    from torchpipe.schedule import Kind, build, simulate
+    # Each schedule is simulated from the costs measured on its own placement: the loop's are not the V's.
 
     def cost(stage: int, kind: Kind) -> float:
         return 2.0 if kind is Kind.BACKWARD else 1.0
@@ -431,73 +285,206 @@ def test_the_distributed_benchmark_against_figures() -> None:
         assert distributed._measured_by(name) == {2: "auto", 4: "auto-4" if name in ("zbv", "dualpipev")
                                                   else "auto-loop"}[stages], name
     assert distributed._predicted(build("looped_bfs", 8, 4, 2), {"auto-4": (cost, 1.0)}) is None
+    # The prediction is judged on the pairs the measurement orders: a < c and b < c right, a < b wrong, but only
+    # 1 % separates a and b: noise at a 3 % threshold.
+    measured = {"a": 100.0, "b": 101.0, "c": 110.0}
+    predicted = {"a": 95.0, "b": 94.0, "c": 120.0}
+    assert distributed.ordered_pairs(measured, predicted) == (2, 3)
+    assert distributed.ordered_pairs(measured, predicted, 0.03) == (2, 2)
+    assert distributed.ordered_pairs(measured, {"a": 1.0, "b": 2.0, "c": 0.5}, 0.03) == (0, 2)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread_cpu reads /proc")
-def test_thread_cpu_counts_each_kind_of_thread() -> None:
-    stop = threading.Event()
-    spun = threading.Event()
-
-    def spin() -> None:
-        end = time.thread_time() + 0.3
-        while time.thread_time() < end:
-            pass
-        spun.set()
-        stop.wait()
-
-    before = thread_cpu()
-    thread = threading.Thread(target=spin)
-    thread.start()
-    try:
-        assert spun.wait(30)
-        after = thread_cpu()  # the thread is still there: its CPU counts
-    finally:
-        stop.set()
-        thread.join()
-    assert after["other threads"][0] - before.get("other threads", (0.0, 0))[0] >= 0.2, (before, after)
-    assert after["main"][0] >= before["main"][0] and after["main"][1] >= before["main"][1]
+# --- run_all.py and RESULTS.md ---------------------------------------------------------------------------------
 
 
-def test_the_language_model_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("transformers")
-    from benchmarks import language_model
-
-    results = language_model.main(["--rounds", "1", "--layers", "1", "--width", "16", "--batch", "2", "--length", "4"])
-    assert set(results["ratios"]) == {"as_sequential (tied), as a module", "GPipe, 1 partition (untied)"}
-    assert all(row["ratio"] > 0 for row in results["ratios"].values())
-    assert "ratio" in capsys.readouterr().out
-
-
-@pytest.mark.slow
-def test_the_language_model_pipeline_benchmark_runs_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    # Two gloo ranks, every variant once on a tiny GPT-2; also checks the gradients against the plain model's.
-    pytest.importorskip("transformers")
-    from benchmarks import lm_pipeline
-
-    results = lm_pipeline.main(["--quick"])
-    assert set(results["variants"]) == {name for name, _ in lm_pipeline.VARIANTS}
-    for name, row in results["variants"].items():
-        assert row["tokens_per_s"] > 0 and row["vs_plain"] > 0, name
-        assert (row["vs_pipelining"] is not None) == (name.startswith("torchpipe") and name.endswith("2 ranks"))
-        assert (row["of_ideal"] is not None) == name.startswith(("torchpipe", "pipelining"))
-        assert len(row["peak_mib"]) == 2 and (row["peak_mib"][1] is None) == lm_pipeline.in_process(name)
-    gradients = results["tied_gradient_equals_plain"]
-    assert all(rank["torchpipe"] == {"tied": True, "others": True} for rank in gradients), gradients
-    assert all(rank["pipelining"]["others"] for rank in gradients), gradients
-    out = capsys.readouterr().out
-    assert "machine:" in out and "vs pipelining" in out
+def test_results_keep_every_section_but_the_ones_run_again(tmp_path: Path) -> None:
+    facts = {"machine": "a machine", "load": 1.0, "commit": "abc", "date": "today", "preset": "small", "seconds": 3,
+             "command": "python benchmarks/overhead.py"}
+    path = tmp_path / "RESULTS.md"
+    sections = {name: (dict(facts, preset=name), run_all.section(name, dict(facts, preset=name),
+                                                                 Summary(["figure"], [[name]])) + "\n")
+                for name in ("overhead", "balance_solver", "speed")}
+    run_all.write_results(path, sections)
+    text = path.read_text()
+    assert "do not edit" in text and text.index("## speed") < text.index("## overhead") < text.index(
+        "## balance_solver"), "sections in run_all.BENCHMARKS' order"
+    read = run_all.read_sections(path)
+    assert read == sections
+    read["overhead"] = (dict(facts, preset="again"), run_all.section("overhead", dict(facts, preset="again"),
+                                                                     Summary(["figure"], [["new"]])) + "\n")
+    run_all.write_results(path, read)
+    again = run_all.read_sections(path)
+    assert again["speed"] == sections["speed"] and again["balance_solver"] == sections["balance_solver"]
+    assert "| new |" in again["overhead"][1] and "| overhead |" not in again["overhead"][1]
 
 
-@pytest.mark.slow
-def test_the_mesh_benchmark_measures_every_layout(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_benchmark_that_fails_keeps_its_last_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "RESULTS.md"
+    facts = {"machine": "m", "load": None, "commit": "c", "date": "d", "preset": "small", "seconds": 1, "command": "x"}
+    run_all.write_results(path, {"overhead": (facts, run_all.section("overhead", facts, Summary(["a"], [[1]])))})
+    before = path.read_text()
+    monkeypatch.setattr(run_all, "run", lambda *args, **kwargs: (1, 0.5, "python x"))
+    assert run_all.main(["--only", "overhead", "--out", str(tmp_path / "out"), "--results", str(path)]) == 1
+    assert path.read_text() == before
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every benchmark of run_all.py on its tiny preset, once: the folder of its JSON, logs and RESULTS.md."""
+    out = tmp_path_factory.mktemp("bench")
+    run_all.main(["--preset", "tiny", "--out", str(out), "--jobs", "2"])  # figures that mean nothing: at once
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def results_of(out: Path, name: str) -> Dict[str, Any]:
+    """The JSON the tiny run of benchmark ``name`` wrote, or the end of its log where it wrote none."""
+    benchmark = next(b for b in run_all.BENCHMARKS if b.name == name)
+    if any(not has(module) for module in benchmark.needs):
+        pytest.skip(f"{name} needs {', '.join(benchmark.needs)}")
+    path = out / f"{name}.json"
+    log = out / f"{name}.log"
+    assert path.exists(), f"{name} wrote no results:\n" + (log.read_text()[-4000:] if log.exists() else "no log")
+    results: Dict[str, Any] = json.loads(path.read_text())
+    assert results["machine"] == machine_description()
+    return results
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_run_all_writes_one_table_per_benchmark(tiny_run: Path) -> None:
+    text = (tiny_run / "RESULTS.md").read_text()
+    assert text.startswith("# Benchmark results\n") and "Generated by benchmarks/run_all.py: do not edit" in text
+    sections = run_all.read_sections(tiny_run / "RESULTS.md")
+    ran = [b.name for b in run_all.BENCHMARKS if all(has(module) for module in b.needs)]
+    assert list(sections) == ran, "one section per benchmark, in run_all.BENCHMARKS' order"
+    for name, (facts, body) in sections.items():
+        assert facts["preset"] == "tiny" and facts["machine"] == machine_description(), name
+        assert facts["seconds"] >= 0 and facts["commit"], name
+        assert f"\n## {name}\n" in body and f"`python benchmarks/{name}.py " in body, name
+        lines = body.splitlines()
+        tables = [i for i, line in enumerate(lines) if re.fullmatch(r"\|(---\|)+", line)]
+        assert len(tables) == 1, f"{name}: {len(tables)} tables"
+        header = lines[tables[0] - 1]
+        columns = header.count(" | ") + 1
+        rows = [line for line in lines[tables[0] + 1:] if line.startswith("| ")]
+        assert rows, f"{name}: a table with no rows"
+        assert all(row.count(" | ") + 1 == columns for row in rows), (name, header, rows)
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_speed_reports_every_model_and_configuration(tiny_run: Path) -> None:
+    results = results_of(tiny_run, "speed")
+    assert set(results["models"]) == {"unet-skip", "resnet50-traced"}
+    for name, model in results["models"].items():
+        [row] = model["configs"]
+        assert (row["partitions"], row["chunks"]) == (2, 2) and sum(row["balance"]) == model["layers"], name
+        for variant in ("torchpipe", "by hand"):
+            assert positive(row[variant]["samples_per_s"]) and positive(row[variant]["throughput_ratio"]), name
+    traced = results["models"]["resnet50-traced"]["configs"][0]
+    assert positive(traced["hand-written"]["samples_per_s"]) and positive(traced["traced_vs_hand"]["time_ratio"])
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_memory_reports_each_mode_and_the_largest_batch(tiny_run: Path) -> None:
+    results = results_of(tiny_run, "memory")
+    model = results["models"]["unet"]
+    assert set(model["peak"]) == {"plain", "torchpipe except_last chunks=2"}
+    assert all(m["step_bytes"] >= 0 for m in model["peak"].values())
+    assert set(model["largest_batch"]) == {"plain", "torchpipe except_last chunks=8"}
+    assert all(found["batch"] % 16 == 0 and found["probes"] for found in model["largest_batch"].values())
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_unet_skip_reports_both_ways_of_carrying_skips(tiny_run: Path) -> None:
+    results = results_of(tiny_run, "unet_skip")
+    [config] = results["configs"]
+    for variant in ("torchpipe tuple", "torchpipe skip", "by hand"):
+        assert positive(config[variant]["ratio"]) and len(config[variant]["ratios"]) == 1, variant
+    assert config["ideal"] == (2 + 2 - 1) / (2 * 2)
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_overhead_reports_every_configuration(tiny_run: Path) -> None:
+    from benchmarks import overhead
+
+    results = results_of(tiny_run, "overhead")
+    assert list(results["ratios"]) == [name for name, _, _, _ in overhead.CONFIGS]
+    for (name, partitions, chunks, _), row in zip(overhead.CONFIGS, results["ratios"].values()):
+        assert positive(row["plain"]) and positive(row["hand"]) and positive(row["plain_s"]), name
+        assert row["ideal"] == (chunks + partitions - 1) / (chunks * partitions), name
+    assert positive(results["two_threads"])
+    assert results["machine_line"] == pytest.approx(results["two_threads"] * 2 * 9 / 16)
+    assert figure(results["fixed_cost_per_task_us"])  # a difference of two timings: any sign
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_schedules_reports_every_schedule(tiny_run: Path) -> None:
+    from benchmarks import schedules
+
+    results = results_of(tiny_run, "schedules")
+    rows = {row["schedule"]: row for row in results["rows"]}
+    by_hand = rows.pop("plain, 4 micro-batches by hand")
+    ran = {"gpipe", "1f1b", "zero_bubble", "zbv"}  # the tiny preset's
+    assert set(rows) == {schedules.GPIPE} | {name for name, schedule, _ in schedules.CONFIGS if schedule in ran}
+    assert positive(by_hand["two_threads"])
+    assert by_hand["machine_line"] == pytest.approx(by_hand["two_threads"] * 2 * (4 + 1) / 8)
+    # Each schedule's machine line: the two bare threads' step times twice its ideal, from its simulated bubble;
+    # GPipe, which runs the 'gpipe' order, shares that schedule's. The ideals come from one step's measured costs
+    # of a tiny MLP, mostly noise: their order is not asserted.
+    for name, row in rows.items():
+        assert positive(row["time_ratio"]) and positive(row["vs_by_hand"]) and positive(row["vs_line"]), name
+        assert 0 <= row["simulated_bubble"] < 1 and row["ideal"] == pytest.approx(
+            1 / (2 * (1 - row["simulated_bubble"]))), name
+        assert (row["memory_ratio"] is None) == (name == schedules.GPIPE), name
+        assert name == schedules.GPIPE or (row["memory_ratio"] >= 0 and 0 <= row["measured_idle"] < 1), name
+    assert rows["1f1b"]["vs_1f1b"] == 1.0 and rows[schedules.GPIPE]["ideal"] == rows["gpipe"]["ideal"]
+    assert rows["gpipe"]["split_stages"] == [] and rows["1f1b"]["split_stages"] == []
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_distributed_reports_both_libraries_and_the_fixed_cost(tiny_run: Path) -> None:
+    from benchmarks import distributed
+
+    results = results_of(tiny_run, "distributed")
+    names = ["torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe auto"]
+    figures = results["results"]
+    assert set(figures) == {f"{name} batch=16" for name in names} | {f"{name} fixed cost" for name in names}
+    for key, result in figures.items():
+        name = key.split(" batch=")[0].split(" fixed cost")[0]
+        assert positive(result["speedup"]) and positive(result["pipe_ms"]) and positive(result["plain_ms"]), key
+        assert positive(result["first_step_s"]) and positive(result["start_s"]), key
+        assert positive(result["two_processes"]) and result["machine_line"] == 0.5 / result["two_processes"], key
+        # 'auto' chose within its placement; every torchpipe schedule's step was predicted from the costs a
+        # measuring pipeline of its placement took.
+        torchpipe = name.startswith("torchpipe")
+        assert (positive(result.get("predicted_ms")) and "round_error" in result) == torchpipe, key
+        assert (len(result.get("map_overhead_ms", ())) == 2) == torchpipe, key
+    auto = figures["torchpipe auto batch=16"]
+    assert auto["schedule"] in distributed.PLACEMENTS["auto"] and auto["schedule"] in auto["may_choose"]
+    assert auto["measured_on"] == [0, 1] and auto["relayout_ms"] >= 0 and auto["overhead_ms"] >= 0
+    assert set(auto["vs_fixed"]) == {"torchpipe 1f1b"}
+    # torchpipe's 1f1b against Schedule1F1B in the same rounds, its steps back to back too; the CPU of those
+    # steps per rank and kind of thread (each rank's main thread waited for messages: context switches).
+    one = figures["torchpipe 1f1b batch=16"]
+    assert one["vs_rival"]["rounds"] == 1 and 0 <= one["vs_rival"]["ahead"] <= 1 and positive(one["vs_rival"]["ratio"])
+    fixed = figures["torchpipe 1f1b fixed cost"]
+    assert positive(fixed["pipe_burst_ms"]) and positive(fixed["burst_vs_rival"]["ratio"])
+    assert len(fixed["cpu"]) == distributed.WORLD
+    for rank in fixed["cpu"]:
+        assert {"main", "gloo"} <= set(rank) <= set(THREAD_KINDS) and rank["main"][1] > 0, rank
+    log = (tiny_run / "distributed.log").read_text()
+    assert "fastest first: measured" in log and "torchpipe auto (ran " in log
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_mesh_reports_every_layout(tiny_run: Path) -> None:
     from benchmarks import mesh
 
-    results = mesh.main(["--quick", "--quiet", "--models", "wide", "--timeout", "180"])
-    result = results["models"]["wide"]
+    result = results_of(tiny_run, "mesh")["models"]["wide"]
     times = {row["variant"]: row for row in result["times"]}
     layouts = [mesh.LAYOUTS[k].name for k in mesh.DEFAULT_LAYOUTS]
     assert set(times) >= {"plain", "by hand", "half batch", *layouts}
-    assert all(row["step_s"] > 0 and row["speedup"] > 0 for row in times.values())
+    assert all(positive(row["step_s"]) and positive(row["speedup"]) for row in times.values())
     for name, ranks in result["memory"].items():
         assert len(ranks) == (1 if name == "plain" else 2), (name, ranks)
         assert all(m["params_bytes"] > 0 and m["optimizer_bytes"] == 2 * m["params_bytes"] for m in ranks), ranks
@@ -508,52 +495,55 @@ def test_the_mesh_benchmark_measures_every_layout(capsys: pytest.CaptureFixture[
     reduction = result["reduction"]
     assert reduction["pp 2 x dp 1 (pipeline)"]["reduce_s"] == 0
     for name in ("dp 2 x pp 1, replicate", "dp 2 x pp 1, shard"):
-        assert 0 < reduction[name]["exposed_s"] <= reduction[name]["reduce_s"] <= reduction[name]["step_s"], reduction
-    assert "exposed reduce / step" in capsys.readouterr().out
+        assert 0 <= reduction[name]["exposed_s"] <= reduction[name]["reduce_s"] <= reduction[name]["step_s"], name
+        assert reduction[name]["reduce_s"] > 0, name
 
 
-def test_the_split_backward_benchmark_times_backwards_that_agree() -> None:
-    """Every backward it times gives the one backward's parameter gradients (checked before it times them), and a
-    backward that does not is refused: a timing of different work would mean nothing."""
-    from benchmarks import split_backward
-
-    result = split_backward.run(rounds=2, layers=2, batch=4)
-    names = {name for name, _ in split_backward.backwards()}
-    assert {split_backward.ONE, split_backward.SPLIT, "one backward, graph kept"} <= names
-    assert set(result["ratios"]) == names == set(result["backward_ms"])
-    assert all(ratio > 0 for ratio in result["ratios"].values())
-    assert (result["vs_anchor"] is None) == (split_backward.ANCHOR not in names) and result["vs_before"] > 0
-
-    def halved(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, params: Any) -> None:
-        torch.autograd.backward([out], [grad / 2])
-
-    module, x, grad = split_backward.stage(2, 4, width=8)
-    with pytest.raises(AssertionError, match="'halved' gives other parameter gradients"):
-        split_backward.check_gradients(module, x, grad, [(split_backward.ONE, split_backward.one_backward),
-                                                         ("halved", halved)])
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_the_language_model_benchmark_reports_both_ways(tiny_run: Path) -> None:
+    results = results_of(tiny_run, "language_model")
+    assert set(results["ratios"]) == {"as_sequential (tied), as a module", "GPipe, 1 partition (untied)"}
+    assert all(positive(row["ratio"]) and positive(row["plain_s"]) for row in results["ratios"].values())
 
 
-def test_the_merged_backwards_benchmark_compares_the_same_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each split schedule runs merged (its name) and as generated (its Schedule, run as it is); both give the same
-    loss and gradients before they are timed, and a pair that does not is refused."""
-    from benchmarks import merged_backwards, models, schedules
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_the_language_model_pipeline_reports_every_variant(tiny_run: Path) -> None:
+    # Two gloo ranks, every variant once on a tiny GPT-2; the gradients checked against the plain model's.
+    from benchmarks import lm_pipeline
 
-    monkeypatch.setattr(schedules, "workload", lambda name: (models.mlp(8, 8), torch.randn(16, 8),
-                                                             torch.randn(16, 8)))
-    threads = torch.get_num_threads()
-    try:
-        rows = merged_backwards.run(rounds=2, chunks=4)
-    finally:
-        torch.set_num_threads(threads)
-    assert [row["schedule"] for row in rows] == [name for name, _ in merged_backwards.SCHEDULES]
-    for row in rows:
-        assert 0 <= row["whole"] <= row["split"] and row["simulated"] > 0 and row["measured"] > 0
-        assert row["quartiles"][0] <= row["quartiles"][1]
-    zbv = next(row for row in rows if row["schedule"] == "zbv")
-    assert zbv["whole"] > 0
-    one, _, _ = schedules.pipeline("mlp", "zbv", 4, 4)
-    other, x, y = schedules.pipeline("mlp", "zbv", 4, 4)
-    with torch.no_grad():
-        next(other.parameters()).add_(1.0)
-    with pytest.raises(AssertionError, match="differ"):
-        merged_backwards.check_same_work(one, other, x, y)
+    results = results_of(tiny_run, "lm_pipeline")
+    assert set(results["variants"]) == {name for name, _ in lm_pipeline.VARIANTS}
+    for name, row in results["variants"].items():
+        assert positive(row["tokens_per_s"]) and positive(row["vs_plain"]), name
+        assert (row["vs_pipelining"] is not None) == (name.startswith("torchpipe") and name.endswith("2 ranks"))
+        assert (row["of_ideal"] is not None) == name.startswith(("torchpipe", "pipelining"))
+        assert len(row["peak_mib"]) == 2 and (row["peak_mib"][1] is None) == lm_pipeline.in_process(name)
+    gradients = results["tied_gradient_equals_plain"]
+    assert all(rank["torchpipe"] == {"tied": True, "others": True} for rank in gradients), gradients
+    assert all(rank["pipelining"]["others"] for rank in gradients), gradients
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_compiled_reports_both_configurations(tiny_run: Path) -> None:
+    results = results_of(tiny_run, "compiled")
+    assert results["backend"] == "aot_eager" and set(results["ratios"]) == {"Pipeline", "Sequential"}
+    for name, row in results["ratios"].items():
+        assert positive(row["ratio"]) and positive(row["eager_s"]) and positive(row["compiled_s"]), name
+        assert positive(row["compiling_s"]), name
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_data_parallel_reports_every_step(tiny_run: Path) -> None:
+    results = results_of(tiny_run, "data_parallel")
+    assert len(results["median_ms"]) == 7 and all(positive(ms) for ms in results["median_ms"].values())
+    assert positive(results["vs_plain"]) and positive(results["vs_by_hand"]) and positive(results["two_threads"])
+    assert figure(results["chaining_saves"])
+
+
+@pytest.mark.timeout(TINY_TIMEOUT)
+def test_the_balance_solver_reports_every_kind_of_costs(tiny_run: Path) -> None:
+    results = results_of(tiny_run, "balance_solver")
+    assert len(results["cases"]) == 3
+    # The exact solver's bottleneck is at least the average partition's, whatever the machine.
+    assert all(positive(case["ms"]) and case["bottleneck_vs_average"] >= 1 for case in results["cases"].values())
+    assert positive(results["against_dynamic_programme"]["dynamic_programme_ms"])

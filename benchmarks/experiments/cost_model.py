@@ -10,10 +10,11 @@ one step of each in turn per round, recording every step's timeline on both
 ranks. For each recorded step it simulates the schedule as it ran, each
 action at its recorded time, and finds
 
-- the **hop**: the time per message between ranks
-  (:func:`~torchpipe.schedule.auto.calibrate`), and
+- the **hop**: the time per message between ranks (:func:`hop_time`, the
+  ``communication=`` of :func:`~torchpipe.schedule.simulate`), and
 - the **time per action**: added to every action
-  (:func:`~torchpipe.schedule.auto.calibrate_overhead`),
+  (:func:`~torchpipe.schedule.measured.calibrate_overhead`, what ``'auto'``
+  charges),
 
 that make the simulated step as long as the recorded one (first action to
 last, over both ranks). A charge that models the machine comes out the same
@@ -21,7 +22,7 @@ for every schedule of a map; one that does not varies with the schedule.
 Then, round by round, from the step of the map's first schedule (the one
 ``'auto'`` measures on: ``interleaved_zero_bubble`` on the loop, ``zbv`` in
 the V), it predicts the other schedules' steps both ways, from that step's
-cost per (stage, kind) (:func:`~torchpipe.schedule.auto.typical`), as
+cost per (stage, kind) (:func:`~torchpipe.schedule.measured.typical`), as
 ``'auto'`` does, and prints each prediction's median error.
 
 A second table asks whether an action's cost depends on what ran before it
@@ -39,7 +40,7 @@ An action's time here is its recorded span in the timeline (from its
 message's arrival to its sends: the compute, wall clock), not the thread CPU
 time ``'auto'`` measures; both leave out the same things around the actions.
 
-    python benchmarks/cost_model.py [--rounds 12] [--batch 1024] [--json out.json]
+    python benchmarks/experiments/cost_model.py [--rounds 12] [--batch 1024] [--json out.json]
 """
 import argparse
 import json
@@ -50,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -63,7 +64,8 @@ from benchmarks.harness.processes import free_port, rank_environment, run_ranks 
 from benchmarks.harness.timing import rotated  # noqa: E402
 from torchpipe.schedule import Action, Kind, Schedule, simulate  # noqa: E402
 from torchpipe.schedule.actions import parse  # noqa: E402
-from torchpipe.schedule.auto import AutoTuner, calibrate, calibrate_overhead, typical  # noqa: E402
+from torchpipe.schedule.auto import AutoTuner  # noqa: E402
+from torchpipe.schedule.measured import calibrate_overhead, typical  # noqa: E402
 
 #: Each map's schedules, the one 'auto' measures on first.
 MAPS: Dict[str, List[str]] = {
@@ -124,11 +126,28 @@ def steps_of(ranks: Sequence[Mapping[str, Any]], name: str) -> List[Step]:
     return steps
 
 
+def hop_time(schedule: Schedule, costs: Callable[[Action], float], span: float) -> float:
+    """The time per message between workers (at least 0) for which :func:`simulate` runs ``schedule`` with
+    ``costs`` in ``span``: the charge this experiment compares with ``'auto'``'s time per action (0 where the
+    actions alone take as long, or where no action waits for another worker's)."""
+
+    def step(hop: float) -> float:
+        return simulate(schedule, costs, communication=hop).step_time
+
+    if span <= step(0.0) or step(span) < span:
+        return 0.0
+    low, high = 0.0, span
+    for _ in range(50):  # bisection: the step grows with the hop
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) < span else (low, middle)
+    return (low + high) / 2
+
+
 def charges(schedule: Schedule, step: Step) -> Tuple[float, float]:
     """The hop and the time per action that explain ``step`` of ``schedule``, each alone."""
     times, span = step
     own: Callable[[Action], float] = times.__getitem__
-    return calibrate(schedule, own, span), calibrate_overhead(schedule, own, span)
+    return hop_time(schedule, own, span), calibrate_overhead(schedule, own, span)
 
 
 def run_places(schedule: Schedule) -> Dict[Action, int]:

@@ -17,7 +17,7 @@ different work would mean nothing). For each schedule it prints:
 - the measured step of the merged order over the generator's: the median,
   and the quartiles, over rounds that run every step once.
 
-    python benchmarks/merged_backwards.py [--rounds 30] [--chunks 8] [--json out.json]
+    python benchmarks/experiments/merged_backwards.py [--rounds 30] [--chunks 8] [--json out.json]
 """
 import argparse
 import statistics
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402

@@ -8,8 +8,8 @@ one backward's; what the split adds is its own: finding the parameter groups,
 capturing the gradients at the intermediates, one engine run per group in
 ``W``, and a graph kept whole from ``I`` to ``W`` where the one backward frees
 each node's saved tensors as it goes. ``schedules.py`` cannot resolve a few
-per cent of that in a whole step (its ratios move by 10 % from run to run on
-a 2-core VM), so this benchmark times one stage, round by round:
+per cent of that in a whole step (its ratios move more than that from run to
+run on a small CPU), so this experiment times one stage, round by round:
 
 - ``forward``: the stage's forward alone (subtracted below: the figures are of
   the backward alone);
@@ -20,8 +20,8 @@ a 2-core VM), so this benchmark times one stage, round by round:
 - ``split``: torchpipe's ``I`` then ``W``;
 - ``split, public calls``: the same with ``W``'s engine runs through
   ``torch.autograd.backward`` (what a PyTorch before 2.3 gets);
-- ``split, before``: the same, its groups also run oldest capture first (this
-  code before the sixteenth session);
+- ``split, before``: the same, its groups also run oldest capture first (the
+  order torchpipe's split first ran them in);
 - ``pipelining``: ``torch.distributed.pipelining``'s ``stage_backward_input``
   then ``stage_backward_weight`` (the anchor), where importable.
 
@@ -30,8 +30,8 @@ Linear+ReLU blocks (512 wide), a micro-batch of 128 (1024 in 8), one intra-op
 thread. Each ratio is the median over rounds of
 ``(variant - forward) / (one backward - forward)``, all from the same round.
 
-    python benchmarks/split_backward.py [--rounds 200] [--layers 8] [--batch 128] [--width 512] [--device cpu]
-                                        [--json out.json]
+    python benchmarks/experiments/split_backward.py [--rounds 200] [--layers 8] [--batch 128] [--width 512]
+                                                    [--device cpu] [--json out.json]
 
 On a GPU (``--device cuda``; ``gpu_check.py`` runs it in its schedules section) every timed step ends with a
 synchronisation.
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
@@ -75,7 +75,7 @@ def one_backward_kept(out: Tensor, grad: Tensor, x: Tensor, params: Sequence[nn.
 def split(out: Tensor, grad: Tensor, x: Tensor, params: Sequence[nn.Parameter], oldest_first: bool = False) -> None:
     _, state = weight_grad.backward_input([out], [grad], [x])
     assert state is not None
-    if oldest_first:  # W's groups in the order I captured them, as before the sixteenth session
+    if oldest_first:  # W's groups in the order I captured them, as torchpipe first ran them
         state.groups.reverse()
     weight_grad.backward_weight(state)
 

@@ -1,12 +1,14 @@
-"""What a benchmark shows and keeps: progress bars on stderr, plain-text tables, JSON results, bar plots."""
+"""What a benchmark shows and keeps: progress bars on stderr, plain-text tables, JSON results, bar plots, and the
+summary of a run that ``run_all.py`` writes to ``RESULTS.md``."""
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from benchmarks.harness.machine import machine_description
 
-__all__ = ["progress", "format_table", "save_json", "bar_plot"]
+__all__ = ["progress", "format_table", "save_json", "bar_plot", "Summary", "cell", "markdown_table"]
 
 
 class _NoBar:
@@ -93,3 +95,42 @@ def bar_plot(
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, dpi=110, format="png")
+
+
+@dataclass
+class Summary:
+    """What ``RESULTS.md`` shows of one benchmark's run (its ``summary(results)`` builds it from its JSON): one
+    table, and the few figures that fit no row of it, one line each."""
+
+    headers: List[str]
+    rows: List[List[Any]]
+    notes: List[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        """The table in markdown, then the notes, one paragraph each."""
+        return "\n\n".join([markdown_table(self.headers, self.rows)] + list(self.notes))
+
+
+def cell(value: Any) -> str:
+    """A figure as a table shows it: ratios with 3 decimals, larger figures with fewer, ``n/a`` for none."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "n/a"
+        size = abs(value)
+        return f"{value:.0f}" if size >= 100 else f"{value:.1f}" if size >= 10 else f"{value:.3f}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(cell(v) for v in value)
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table; every cell through :func:`cell`, ``|`` escaped."""
+
+    def line(values: Sequence[Any]) -> str:
+        return "| " + " | ".join(cell(v).replace("|", "\\|") for v in values) + " |"
+
+    return "\n".join([line(headers), "|" + "---|" * len(headers)] + [line(row) for row in rows])

@@ -1,0 +1,1 @@
+"""Experiments that each answered one question about torchpipe's design once (see README.md here); not run by CI."""
