@@ -77,7 +77,8 @@ unit-kernels: $(STAMP)
 # ones), and the docs with warnings as errors.
 test: lint typecheck unit unit-kernels docs
 
-# Every benchmark on the small preset (about 6.5 minutes on 2 cores); results in out/bench.
+# Every benchmark on the small preset (under an hour on 2 shared cores): their figures in benchmarks/RESULTS.md, one
+# table each with the machine, date and commit; JSON, plots and each benchmark's output in out/bench.
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py --out out/bench
 
