@@ -277,8 +277,8 @@ def test_the_time_around_each_action_is_calibrated_from_the_measured_span() -> N
 
 
 def test_what_the_actions_leave_out_is_charged_per_action_not_per_hop() -> None:
-    # Issue 36: on 2 gloo ranks, what a step spent beyond its actions' times grew with its actions, not with its
-    # messages' hops. Simulated from each schedule's own steps (benchmarks/cost_model.py, batch 1024, two runs),
+    # On 2 gloo ranks, what a step spent beyond its actions' times grew with its actions, not with its
+    # messages' hops. Simulated from each schedule's own steps (benchmarks/experiments/cost_model.py, batch 1024),
     # the hop that explained them was a median 2.6 to 3.5 ms for two of the loop's three schedules, 7.5 and 7.9
     # ms for looped_bfs, the time per action 0.41 to 0.53 ms; from interleaved_zero_bubble's steps the loop's
     # were predicted within -3.7 to 0.0 % per action, -7.0 to +3.5 % with a hop. Here the steps take a time per

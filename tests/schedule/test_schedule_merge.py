@@ -1,7 +1,7 @@
 """merge_backwards: a split backward whose W fills no gap runs whole, and a Pipeline runs the named schedules so.
 
 The story: on this project's CPU a split backward costs 1.14 to 1.19 times the
-whole one (``benchmarks/split_backward.py``), so ``zbv`` and
+whole one (``benchmarks/experiments/split_backward.py``), so ``zbv`` and
 ``interleaved_zero_bubble`` sat 9 to 14 % above their machine lines in one
 process: they paid the split on every backward, also where its ``W`` filled
 no bubble. Merged, only the gap-fillers stay split.
@@ -39,7 +39,7 @@ from torchpipe.schedule import (
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 #: The zero-bubble paper's costs, the simulation's default: the whole backward costs its two halves.
 PAPER = DEFAULT_COSTS
-#: This CPU's: each half 1.15 of the paper's (benchmarks/split_backward.py: the split is 1.14 to 1.19 of B).
+#: This CPU's: each half 1.15 of the paper's (benchmarks/experiments/split_backward.py: the split is 1.14 to 1.19 of B).
 CPU = {F: 1.0, B: 2.0, BI: 1.15, BW: 1.15}
 
 
