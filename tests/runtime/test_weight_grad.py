@@ -122,9 +122,9 @@ def test_a_tensor_from_outside_the_module_gets_its_gradient_in_w() -> None:
 def test_w_runs_the_engine_without_autograd_backwards_python_checks(monkeypatch: Any) -> None:
     """W makes one engine run per parameter group (a chain of 8 linears: 8 runs). Its seeds are the gradients the
     engine itself delivered in I, so where PyTorch exposes the engine's entry (2.3 and later) W calls it directly,
-    without ``torch.autograd.backward``'s Python checks (about 30 us a run; with the order of the next test, 1 to 3 % of
-    a zbv stage's split backward: benchmarks/experiments/split_backward.py). Both ways give the plain backward's gradients, and on
-    this PyTorch the direct one is taken."""
+    without ``torch.autograd.backward``'s Python checks (measured with the order of the next test in
+    benchmarks/experiments/split_backward.py). Both ways give the plain backward's gradients, and on this PyTorch
+    the direct one is taken."""
     from torchpipe.runtime import weight_grad
 
     torch.manual_seed(0)
@@ -154,8 +154,8 @@ def test_w_runs_the_engine_without_autograd_backwards_python_checks(monkeypatch:
 
 def test_w_runs_the_groups_newest_capture_first() -> None:
     """I reaches the first layer's intermediate last, so its gradient and input are the ones still in the CPU's
-    caches when W starts: W begins there and climbs (with the previous test's direct runs, 1 to 3 % of a zbv stage's
-    split backward: benchmarks/experiments/split_backward.py). The order changes no sum: each group has its own parameters."""
+    caches when W starts: W begins there and climbs (measured with the previous test's direct runs in
+    benchmarks/experiments/split_backward.py). The order changes no sum: each group has its own parameters."""
     torch.manual_seed(0)
     layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.ReLU())])
     linears = [m for m in layers if isinstance(m, nn.Linear)]
