@@ -238,20 +238,24 @@ class TracedLayer(Skippable):
             # pipeline. Copies and unpickled layers make their own (see __getstate__).
             self.__dict__["forward"] = types.MethodType(runs[None], self)
             return
-        guards = self._guards
 
         def forward(layer: "TracedLayer", input: Any) -> Any:
-            run = runs.get(layer.training if None not in runs else None)
-            if run is None:
-                raise RuntimeError(layer._refusal())
-            if layer._stale is not None:
-                raise RuntimeError(layer._stale)
-            guard = guards.get(layer.training)
-            if guard is not None:
-                guard(input)
-            return run(layer, input)
+            return runs[layer._checked_mode(input, runs)](layer, input)
 
         self.__dict__["forward"] = types.MethodType(forward, self)
+
+    def _checked_mode(self, input: Any, modes: Dict[Optional[bool], Any]) -> Optional[bool]:
+        """The mode whose code runs ``input`` (None: the one code of an fx graph), after the checks every forward
+        makes first: code for the module's mode, the dtypes it was traced with, inputs in its domain."""
+        mode = self.training if None not in modes else None
+        if mode not in modes:
+            raise RuntimeError(self._refusal())
+        if self._stale is not None:
+            raise RuntimeError(self._stale)
+        guard = self._guards.get(self.training)
+        if guard is not None:
+            guard(input)
+        return mode
 
     def _compiled_forward(self, options: Dict[str, Any]) -> Callable[..., Any]:
         """The forward that runs each mode's computation compiled with ``torch.compile(**options)``.
@@ -264,20 +268,12 @@ class TracedLayer(Skippable):
             _, plain[mode] = computation_function(code.graph, self.name)
             compiled[mode] = torch.compile(plain[mode], **options)
         codes = self._codes
-        guards = self._guards
         # torch._dynamo is imported only here: it takes seconds. (maybe_mark_dynamic is missing before 2.3.)
         mark = getattr(torch._dynamo, "maybe_mark_dynamic", None) if "dynamic" not in options else None
 
         def forward(layer: "TracedLayer", input: Any) -> Any:
-            mode = layer.training if None not in codes else None
-            code = codes.get(mode)
-            if code is None:
-                raise RuntimeError(layer._refusal())
-            if layer._stale is not None:
-                raise RuntimeError(layer._stale)
-            guard = guards.get(layer.training)
-            if guard is not None:
-                guard(input)
+            mode = layer._checked_mode(input, codes)
+            code = codes[mode]
             values: Tuple[Optional[Tensor], ...] = layer._arguments(input)
             if code.pops or code.stashes:
                 skips = current_tracker()  # the frame of this forward's caller, as in the generated forward
