@@ -20,6 +20,7 @@ action that needs it. A micro-batch of weight 0 starts no backward (its
 loss, the mean of nothing, is NaN, and ``0 * NaN`` would reach every
 gradient).
 """
+import functools
 import inspect
 import math
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
@@ -187,14 +188,15 @@ def shares(weights: Sequence[float], total: float) -> List[float]:
 def check_target(spec: LossSpec, target: Optional[TensorOrTensors], where: str) -> None:
     """Raises ``ValueError`` if the step's loss needs a target and ``target`` is None. ``where`` names who must
     pass it ("the step", "rank 1, the last stage's,")."""
-    if target is not None or spec.fn is None:
-        if target is None and spec.weight is not None:
-            raise ValueError(f"loss_weight weighs each micro-batch by its target: {where} must pass the target")
+    if target is not None:
         return
-    if spec.weight is not None or not _takes_one_argument(spec.fn):
+    if spec.weight is not None:
+        raise ValueError(f"loss_weight weighs each micro-batch by its target: {where} must pass the target")
+    if spec.fn is not None and not _takes_one_argument(spec.fn):
         raise ValueError(f"{where} must pass the target: loss_fn takes (output, target)")
 
 
+@functools.lru_cache(maxsize=64)  # asked at every step without a target: read each loss_fn's signature once
 def _takes_one_argument(fn: Callable[..., Any]) -> bool:
     """Whether ``fn(output)`` binds (True where the signature cannot be read: a call will tell)."""
     try:
