@@ -309,6 +309,12 @@ class Channel:
         (value,) = self._read(sequence, [f"{key}/{sequence}/{replica}"], f"the {key} of replica {replica}")
         return _parse(value)
 
+    def wait_for_replicas(self, sequence: int, key: str) -> List[List[float]]:
+        """The values every replica published under ``key`` for step ``sequence``, in replica order, read in one
+        trip once all are there (or a failure)."""
+        names = [f"{key}/{sequence}/{r}" for r in range(self.replicas)]
+        return [_parse(value) for value in self._read(sequence, names, f"every replica's {key}")]
+
     def exchange(self, values: Sequence[float]) -> List[List[float]]:
         """Every rank's ``values`` (of every replica), in the mesh's rank order; a collective, through the
         store (exact: floats as hexadecimal text)."""

@@ -177,7 +177,7 @@ def _split_target(
     channel.publish(sequence, "weight", [sum(weights)])
 
     def total() -> float:
-        return sum(channel.wait_for(sequence, "weight", replica=r)[0] for r in range(channel.replicas))
+        return sum(values[0] for values in channel.wait_for_replicas(sequence, "weight"))
 
     loss.divide_later(weights, total)
 
