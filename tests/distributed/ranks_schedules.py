@@ -95,12 +95,12 @@ def auto_choice(rank: int, world: int) -> Dict[str, Any]:
     choices: List[str] = []
     costs: List[List[Any]] = []
     relayouts: List[float] = []
-    # Per step, how many messages this rank took whose layout it did not expect (each a trip more).
-    trips: List[int] = []
+    # Per step, how many messages this rank took whose layout it did not expect (each waited for a relayout).
+    per_step: List[int] = []
     finish = DistributedTransport.finish
 
     def counted(transport: DistributedTransport) -> None:
-        trips.append(len(transport.relayouts))
+        per_step.append(len(transport.relayouts))
         finish(transport)
 
     DistributedTransport.finish = counted  # type: ignore[method-assign]  # this rank's process only
@@ -121,4 +121,5 @@ def auto_choice(rank: int, world: int) -> Dict[str, Any]:
         choices.append(pipe.schedule_name)
         costs.append(sorted((s, kind.value, cost) for (s, kind), cost in tuner.costs.items()))
         relayouts.append(tuner.relayout)
-    return {"problems": problems, "choices": choices, "costs": costs, "relayouts": relayouts, "trips": trips}
+    return {"problems": problems, "choices": choices, "costs": costs, "relayouts": relayouts,
+            "relayouts_per_step": per_step}

@@ -36,10 +36,10 @@ def test_auto_chooses_alike_on_every_rank_and_stays_transparent() -> None:
     assert reports[0]["choices"][0] in ("zbv", "dualpipev")
     assert reports[0]["choices"][1] in ("1f1b", "zero_bubble", "gpipe")
     # A pipeline's first step is its messages' first crossing: each rank expects no layout yet, so every message
-    # it takes (at least 4 activations or gradients, and the skips') waits for a trip more, timed and left out of
-    # the time the choice charges a hop. Later steps take no such trip.
+    # it takes (at least 4 activations or gradients, and the skips') waits for a relayout, timed and left out of
+    # the overhead the choice charges each action. Later steps wait for none.
     for report in reports:
-        v_first, v_later, one_first, one_later = (report["trips"][0], report["trips"][1:3], report["trips"][3],
-                                                  report["trips"][4:])
-        assert v_first >= 8 and one_first >= 4 and v_later == one_later == [0, 0], report["trips"]
+        counts = report["relayouts_per_step"]
+        v_first, v_later, one_first, one_later = counts[0], counts[1:3], counts[3], counts[4:]
+        assert v_first >= 8 and one_first >= 4 and v_later == one_later == [0, 0], counts
     assert reports[0]["relayouts"] == reports[1]["relayouts"] and min(reports[0]["relayouts"]) > 0

@@ -10,7 +10,7 @@ could not make its transport). Once it has come, the peer is in the step,
 and for every receive posted it sends the message, or an abort in its place
 (see [Note: abort messages]), or its death closes the connection: the
 stage's own thread takes the rest off the wire when its actions need them,
-a hop between threads less per message. The receiving thread also posts the
+a handoff between threads less per message. The receiving thread also posts the
 first :data:`~torchpipe.distributed.routes.AHEAD` receives while the stage
 makes its step ready. After a failure the receiving thread again takes what
 the peers still send (:meth:`DistributedTransport.fail

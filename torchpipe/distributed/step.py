@@ -65,7 +65,7 @@ def distributed_step(
         timings: measure each action into it.
         relayouts: where to add, per message whose layout this rank did not expect (every message of a
             pipeline's first step: [Note: expected layouts]), the seconds it waited after its header for its
-            tensors (a trip between the ranks that later steps' messages do not take).
+            tensors (a relayout, which later steps' messages do not wait for).
 
     With data-parallel replicas (a mesh), each replica's first stage reads its
     own mini-batch; a ``'mean'`` loss weighs every sample of every replica

@@ -95,7 +95,7 @@ class DistributedTransport:
         self._failed = False
         self.memory = memory = memory_of(channel)
         #: Per message received whose layout was not the expected one, the seconds from its header to its
-        #: tensors (a trip more: [Note: expected layouts]), appended by whichever thread took it (the receiving
+        #: tensors (its relayout: [Note: expected layouts]), appended by whichever thread took it (the receiving
         #: threads start below).
         self.relayouts: List[float] = []
         routes = memory.routes(schedule, sends)

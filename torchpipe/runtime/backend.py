@@ -42,7 +42,7 @@ class Backend(Protocol):
     ) -> Tensor:
         """Runs one mini-batch, forward and (when ``training``) backward; returns its loss, without graph.
         ``timings``: measure each action into it; ``relayouts``: where the first step's messages add their
-        trips for their layouts (across processes)."""
+        relayouts (across processes)."""
 
     def forward(
         self, runner: Runner, input: Optional[TensorOrTensors], *, chunks: int, module_training: bool

@@ -7,9 +7,9 @@ backward whole), which times each stage's ``F``, ``B``, ``I`` and ``W`` as threa
 kind is :func:`typical` of its times. *Calibrate.* What the actions' times leave out of the step's span (handing
 messages on, being woken for them, waiting for a core) becomes one overhead added to every action, the one for
 which :func:`simulate` replays the measuring step in that span (:func:`calibrate_overhead`): it goes with the
-actions, not the messages, since a worker pays it around each action. Across processes the trip each first-step
-message takes for its unknown layout ([Note: expected layouts]) is charged first, to the actions that receive such
-messages (:func:`with_trips`). *Choose.* :func:`choose` simulates every built-in schedule of the placement at
+actions, not the messages, since a worker pays it around each action. Across processes the relayout each first-step
+message waits for, its layout unknown ([Note: expected layouts]), is charged first, to the actions that receive such
+messages (:func:`with_relayouts`). *Choose.* :func:`choose` simulates every built-in schedule of the placement at
 these costs, as it would run (:func:`~torchpipe.schedule.merge_backwards`), and keeps the fastest whose busiest
 worker holds no more (stage, micro-batch) activations than 1F1B's would: as many as there are stages. Every rank
 exchanges its costs first, so every rank chooses alike. *Fall back.* If none fits (three or more stages per
@@ -37,17 +37,16 @@ from torchpipe.schedule.generate import (
 from torchpipe.schedule.measured import (
     Exchange,
     Measurements,
-    calibrate,
     calibrate_overhead,
     exchanged,
     typical,
-    with_trips,
+    with_relayouts,
 )
 from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
-__all__ = ["Choice", "choose", "calibrate", "calibrate_overhead", "candidates", "placement_names", "one_map",
-           "measuring_schedule", "typical", "with_trips", "AutoTuner"]
+__all__ = ["Choice", "choose", "calibrate_overhead", "candidates", "placement_names", "one_map",
+           "measuring_schedule", "typical", "with_relayouts", "AutoTuner"]
 
 logger = logging.getLogger("torchpipe")
 
@@ -189,7 +188,7 @@ class Choice:
     table: Tuple[Tuple[str, float, int], ...]
     #: The most a worker may hold: 1F1B's busiest (the number of stages).
     limit: int
-    #: The time a message takes between workers that the simulations charged (see :func:`calibrate`).
+    #: The message time between workers that the simulations charged (``communication=`` of :func:`choose`).
     communication: float = 0.0
     #: The time around each action that the simulations added to its cost (see :func:`calibrate_overhead`).
     overhead: float = 0.0
@@ -276,9 +275,9 @@ class AutoTuner:
         self.stages, self.workers, self.chunks, self.splitting = stages, workers, chunks, splitting
         #: The typical measured cost of each (stage, kind), every rank's (:func:`typical`).
         self.costs: Dict[Tuple[int, Kind], float] = {}
-        #: The seconds a message of the measuring step waited, after its header, for the trip its unknown layout
-        #: cost (the mean over every rank's; 0 in one process), charged to the actions that received such messages
-        #: (:func:`with_trips`), not to every action.
+        #: The seconds a message of the measuring step waited, after its header, for its relayout (its layout
+        #: unknown) (the mean over every rank's; 0 in one process), charged to the actions that received such messages
+        #: (:func:`with_relayouts`), not to every action.
         self.relayout = 0.0
         self.choice: Optional[Choice] = None
 
@@ -301,30 +300,31 @@ class AutoTuner:
     def record(self, timings: Mapping[Tuple[int, Kind], Sequence[float]], exchange: Optional[Exchange] = None,
                microbatches: int = 1, *, relayouts: Sequence[float] = ()) -> bool:
         """Takes the measuring step's timings (this rank's stages; with the span of its actions where ``timings``
-        is a :class:`~torchpipe.schedule.measured.Timings`) and its messages' trips for their layouts
+        is a :class:`~torchpipe.schedule.measured.Timings`) and its messages' relayouts
         (``relayouts``, across processes), and chooses; returns True (the schedule changed).
         ``exchange`` gathers every rank's measurements (across processes; called on every rank)."""
         del microbatches  # the choice is for the Pipeline's chunks, whatever the first batch's size
         spans: List[float] = []
-        trips: List[float] = []
+        relayouts_measured: List[float] = []
         durations: Dict[Tuple[int, Kind], List[float]] = {}
         for measured in exchanged(Measurements.of(timings, relayouts), exchange):
             spans.append(measured.window)
-            trips += measured.relayouts
+            relayouts_measured += measured.relayouts
             durations.update(measured.durations)
         self.costs = {key: typical(values) for key, values in durations.items() if key[1] is not Kind.RECOMPUTE}
-        # Each message of the measuring step, its layout unknown, took a trip more, measured (none in one process):
-        # later steps' messages take no such trip. What is left of the span the workers spent around each action.
-        self.relayout = relayout = sum(trips) / len(trips) if trips else 0.0
+        # Each message of the measuring step, its layout unknown, waited for a relayout, measured (none in one
+        # process): later steps' messages wait for none. What is left of the span the workers spent around each action.
+        self.relayout = relayout = (sum(relayouts_measured) / len(relayouts_measured)
+                                   if relayouts_measured else 0.0)
         schedule, own = self._measured_step(durations)
-        overhead = calibrate_overhead(schedule, with_trips(schedule, own, relayout), max(spans, default=0.0))
+        overhead = calibrate_overhead(schedule, with_relayouts(schedule, own, relayout), max(spans, default=0.0))
         choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
                                       overhead=overhead, names=self.names)
         steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
                           for name, step, peak in choice.table)
         logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
-                    "from the measured costs and %.3g around each action, the first step's trip of %.3g a message for "
-                    "its layout aside: %s; at most %d activations per worker)", choice.name, self.stages,
+                    "from the measured costs and %.3g around each action, the first step's relayout of %.3g a message "
+                    "aside: %s; at most %d activations per worker)", choice.name, self.stages,
                     self.workers, self.chunks, overhead, relayout, steps, choice.limit)
         return True
 

@@ -104,10 +104,10 @@ def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: f
     position = {a: k for actions in schedule.workers for k, a in enumerate(actions)}
     waiting = _waiting(schedule)
 
-    def hop(a: Action, b: Action) -> float:
+    def message_time(a: Action, b: Action) -> float:
         return communication if worker_of[a.stage] != worker_of[b.stage] else 0.0
 
-    deadline = _latest_starts(schedule, step, cost, hop, waiting)
+    deadline = _latest_starts(schedule, step, cost, message_time, waiting)
     whole: Set[Action] = set()
 
     def gone(action: Action) -> bool:
@@ -118,7 +118,7 @@ def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: f
             return 0.0 if gone(action) else cost(action)
         merged, weight = Action(action.stage, Kind.BACKWARD, action.microbatch), _weight_half(action)
         end = begin + cost(merged)
-        if end > step + _EPSILON or any(end + hop(action, b) > deadline[b] + _EPSILON
+        if end > step + _EPSILON or any(end + message_time(action, b) > deadline[b] + _EPSILON
                                         for b in waiting[action] if b != weight):
             return cost(action)
         actions = schedule.workers[worker_of[action.stage]]
@@ -128,7 +128,7 @@ def _merge(schedule: Schedule, cost: Callable[[Action], float], communication: f
         last = later = step if beyond is None else deadline[beyond]
         found: Dict[Action, float] = {}  # an action between may wait for one after it: its new latest start
         for a in reversed(between):
-            later = min([later] + [found.get(b, deadline[b]) - hop(a, b) for b in waiting[a]]) - cost(a)
+            later = min([later] + [found.get(b, deadline[b]) - message_time(a, b) for b in waiting[a]]) - cost(a)
             found[a] = later
         relaxed = [found[a] for a in between]
         # Each starts after the whole backward, or when what it waits for is ready: by its old latest start.
@@ -178,7 +178,7 @@ def _waiting(schedule: Schedule) -> Dict[Action, List[Action]]:
 
 
 def _latest_starts(
-    schedule: Schedule, step: float, cost: Callable[[Action], float], hop: Callable[[Action, Action], float],
+    schedule: Schedule, step: float, cost: Callable[[Action], float], message_time: Callable[[Action, Action], float],
     waiting: Dict[Action, List[Action]],
 ) -> Dict[Action, float]:
     """Each action's latest start for which the schedule, with the same worker orders and dependencies, still
@@ -196,7 +196,7 @@ def _latest_starts(
     ready = [a for a, count in unresolved.items() if count == 0]
     while ready:
         a = ready.pop()
-        latest[a] = min([step] + [latest[b] - hop(a, b) for b in edges[a]]) - cost(a)
+        latest[a] = min([step] + [latest[b] - message_time(a, b) for b in edges[a]]) - cost(a)
         for p in before[a]:
             unresolved[p] -= 1
             if unresolved[p] == 0:
