@@ -1,11 +1,13 @@
 """Small layers and model builders shared by the tests."""
 import time
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+import torchpipe
+from torchpipe import GPipe
 from torchpipe.skip import Namespace, pop, skippable, stash
 
 #: The device of every partition in the transparency tests: the CPU, and the first GPU where there is one. The
@@ -84,6 +86,16 @@ def mlp(layers: int = 4, width: int = 8) -> nn.Sequential:
     return nn.Sequential(*modules)
 
 
+def cpu_gpipe(module: nn.Sequential, balance: List[int], **kwargs: Any) -> GPipe:
+    """A GPipe with every partition on the CPU."""
+    return GPipe(module, balance, devices=["cpu"] * len(balance), **kwargs)
+
+
+def grads_of(module: nn.Module) -> List[Tensor]:
+    """A copy of each parameter's gradient, zeros where it has none."""
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+
 @skippable(stash=["skip"])
 class Stash(nn.Module):
     """Stashes ``linear(x)`` as ``'skip'`` (unless ``stashes`` is off: then popping it is an error)."""
@@ -111,6 +123,24 @@ class Pop(nn.Module):
     def forward(self, x: Tensor) -> Any:
         skip = yield pop("skip")
         return self.linear(x) * skip
+
+
+def remember_and_recall() -> Tuple[nn.Module, nn.Module]:
+    """The user guide's skip by hand: the first layer remembers its input under ``torchpipe.current_microbatch()``,
+    the second pops it and adds it to its own input."""
+    skips: Dict[object, Tensor] = {}
+
+    class Remember(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            skips[torchpipe.current_microbatch()] = x
+            return x
+
+    class Recall(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            skip = skips.pop(torchpipe.current_microbatch())
+            return x + skip.to(x.device)
+
+    return Remember(), Recall()
 
 
 class WithMask(nn.Module):

@@ -1,4 +1,5 @@
 """Tests of torchpipe_balancing: the exact solver, both profilers, and that profiling leaves no trace."""
+import copy
 import itertools
 import time
 from fractions import Fraction
@@ -10,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from tests import models
 from tests.models import Sleep
+from torchpipe import GPipe
 from torchpipe.skip import pop, skippable, stash
 from torchpipe_balancing import balance_by_size, balance_by_time, balance_cost
 from torchpipe_balancing.blockpartition import solve
@@ -355,6 +358,55 @@ def test_a_skip_counts_where_it_is_held() -> None:
     assert sizes[0].activation_bytes >= 8 * 512 * 4
     assert sizes[4].activation_bytes >= 8 * 512 * 4
     assert all(size.activation_bytes < 8 * 512 * 4 for size in sizes[1:4])
+
+
+def skippable_unet(depth: int = 3) -> nn.Sequential:
+    """Each encoder stashes its output, a tensor with grad history; its decoder pops it."""
+    return models.skippable_unet(depth, width=8, stash_output=True)
+
+
+def test_balance_by_time_on_a_skippable_unet() -> None:
+    """balance_by_time ran each layer's backward right after its forward; an encoder's backward freed the
+    graph of the tensor it stashed, and its decoder's backward then failed with "Trying to backward
+    through the graph a second time". The profiler now treats stashed tensors as the pipeline does:
+    they end the stashing layer's backward, and the popping layer gets a leaf."""
+    model = skippable_unet()
+    before = copy.deepcopy(model.state_dict())
+    balance = balance_by_time(3, model, torch.randn(16, 8), timeout=0.1, device="cpu")
+    assert len(balance) == 3 and sum(balance) == len(model) and min(balance) >= 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    piped = GPipe(model, balance, devices=["cpu"] * 3, chunks=2)
+    piped(torch.randn(4, 8)).sum().backward()
+
+
+def test_balance_by_size_on_a_skippable_unet_counts_the_stash() -> None:
+    """balance_by_size measured each layer in a function of its own, with no one serving stash and pop in
+    between; the stash a layer holds until its pop is part of its memory, and is counted."""
+    from torchpipe_balancing.profile import profile_sizes
+
+    model = skippable_unet(depth=1)
+    x = torch.randn(16, 8)
+    sizes = profile_sizes(model, x, chunks=1, device=torch.device("cpu"))
+    # The encoder keeps its output for relu's backward; the stash is that same storage, counted once.
+    assert sizes[0].activation_bytes == 16 * 8 * 4 + 16 * 8 * 4  # the input of linear, relu's output
+    balance = balance_by_size(2, skippable_unet(), x, chunks=2, device="cpu")
+    assert sum(balance) == 7
+
+    @skippable(stash=["skip"])
+    class StashOnly(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("skip", x * 3)  # saved by nothing: held only by the skip
+            return x
+
+    @skippable(pop=["skip"])
+    class PopOnly(nn.Module):
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            skip = yield pop("skip")
+            return x + skip
+
+    sizes = profile_sizes(nn.Sequential(StashOnly(), PopOnly()), x, chunks=1, device=torch.device("cpu"))
+    assert sizes[0].activation_bytes == 16 * 8 * 4
 
 
 # --- the module is left as it was -------------------------------------------------------------

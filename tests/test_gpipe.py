@@ -1,6 +1,8 @@
 """GPipe's arguments, errors, container protocol, placement, modes and robustness."""
+import copy
 import gc
 import threading
+import traceback
 import weakref
 from collections import OrderedDict
 
@@ -9,13 +11,8 @@ import torch
 from torch import Tensor, nn
 
 import torchpipe
-from tests.models import mlp
-from torchpipe import BalanceError, GPipe
-
-
-def cpu_gpipe(module: nn.Sequential, balance: list, **kwargs: object) -> GPipe:
-    return GPipe(module, balance, devices=["cpu"] * len(balance), **kwargs)  # type: ignore[arg-type]
-
+from tests.models import cpu_gpipe, mlp
+from torchpipe import BalanceError, DataParallel, GPipe
 
 # --- arguments -------------------------------------------------------------------------------------
 
@@ -66,6 +63,23 @@ def test_balance_error_message_names_the_sum_and_the_layers() -> None:
 def test_bad_chunks(chunks: object) -> None:
     with pytest.raises(ValueError, match="chunks"):
         GPipe(mlp(1), [2], devices=["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+def test_torchgpipe_argument_forms() -> None:
+    # torchgpipe's argument forms work as there: chunks as a whole float, a checkpoint mode as any object whose
+    # str() names it, and an empty Sequential with an empty balance (the identity); a fractional chunks stays
+    # an error.
+    class Mode:
+        def __str__(self) -> str:
+            return "always"
+
+    model = cpu_gpipe(mlp(1, 2), [1, 1], chunks=42.0, checkpoint=Mode())  # type: ignore[arg-type]
+    assert model.chunks == 42 and type(model.chunks) is int and model.checkpoint == "always"
+    with pytest.raises(ValueError, match="chunks"):
+        cpu_gpipe(mlp(1, 2), [1, 1], chunks=2.5)  # type: ignore[arg-type]
+    empty = GPipe(nn.Sequential(), [])
+    x = torch.randn(3, 2)
+    assert empty(x) is x and len(empty) == 0
 
 
 def test_bad_checkpoint() -> None:
@@ -151,6 +165,29 @@ def test_to_dtype_is_allowed() -> None:
     assert all(p.dtype == torch.float16 for p in model.parameters())
 
 
+def test_to_a_tensors_device_is_denied() -> None:
+    # to(tensor=...) moves to a tensor's device (and dtype): denied as every move is; a dtype alone is allowed.
+    model = cpu_gpipe(mlp(1, 2), [1, 1])
+    with pytest.raises(TypeError, match="denied"):
+        model.to(tensor=torch.zeros(1))
+    model.to(torch.float64)
+    assert model[0].weight.dtype == torch.float64
+
+
+def test_each_denied_move_raises_its_own_error() -> None:
+    # GPipe and Pipeline raised one module-level TypeError instance: every raise chained a traceback onto the
+    # last, so the error held the frames (and their tensors) of every earlier denied call.
+    model = cpu_gpipe(mlp(1, 2), [1, 1])
+    errors = []
+    for _ in range(3):
+        with pytest.raises(TypeError, match="denied to move the partitions of a GPipe") as info:
+            model.cpu()
+        errors.append(info.value)
+    assert errors[0] is not errors[1] is not errors[2]
+    depths = [len(traceback.extract_tb(error.__traceback__)) for error in errors]
+    assert depths[0] == depths[1] == depths[2]
+
+
 # --- inputs and outputs ----------------------------------------------------------------------------
 
 
@@ -213,6 +250,19 @@ def test_one_layer_tuple_input() -> None:
     x, y = torch.randn(4, 2, requires_grad=True), torch.randn(4, 2, requires_grad=True)
     model((x, y)).sum().backward()
     assert torch.equal(x.grad, torch.ones(4, 2)) and torch.equal(y.grad, torch.ones(4, 2))
+
+
+def test_an_empty_batch_gives_an_empty_output() -> None:
+    # An empty batch gives an empty output and an empty input gradient, as the plain module does (and so does
+    # DataParallel).
+    model = mlp(2, 4)
+    piped = cpu_gpipe(copy.deepcopy(model), [2, 2], chunks=4)
+    x = torch.randn(0, 4, requires_grad=True)
+    out = piped(x)
+    assert out.shape == model(x).shape == (0, 4)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 4)
+    assert DataParallel(nn.Linear(4, 2), ["cpu", "cpu"])(torch.randn(0, 4)).shape == (0, 2)
 
 
 # --- grad modes ------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from torchpipe import transfer
+import torchpipe
+from tests.models import mlp
+from torchpipe import GPipe, transfer
 from torchpipe.microbatch import Batch, check_input, gather, scatter
 from torchpipe.stream import CPU_EVENT, CPU_STREAM
 
@@ -103,6 +105,24 @@ def test_transfer_log_is_off_unless_recording() -> None:
         transfer.log_transfer("skip", 0, 2, 1, [torch.zeros(4)], cpu, cpu, "s")
     transfer.log_transfer("activation", 0, 1, 0, [torch.zeros(1)], cpu, cpu)
     assert [(r.kind, r.source, r.target, r.microbatch, r.nbytes, r.name) for r in log] == [("skip", 0, 2, 1, 16, "s")]
+
+
+def test_the_transfer_log_records_where_tensors_came_from() -> None:
+    # Each record's source device was read off the tensor after the copy: it was always the target.
+    with torchpipe.transfer.record_transfers() as log:
+        torchpipe.transfer.log_transfer("activation", 0, 1, 0, [torch.zeros(2)], torch.device("meta"),
+                                        torch.device("cpu"))
+    assert log[0].source_device == torch.device("meta") and log[0].target_device == torch.device("cpu")
+
+
+@pytest.mark.cuda
+def test_the_transfer_log_of_a_gpu_to_cpu_pipeline() -> None:
+    # The same through a pipeline from a GPU to the CPU: each activation's record says it left the GPU.
+    model = GPipe(mlp(1, 4), [1, 1], devices=["cuda:0", "cpu"], chunks=2)
+    with torchpipe.transfer.record_transfers() as log:
+        model(torch.randn(4, 4)).sum().backward()
+    forward = [r for r in log if r.kind == "activation"]
+    assert forward and all(r.source_device.type == "cuda" and r.target_device.type == "cpu" for r in forward)
 
 
 def test_microbatch_scatter_gather() -> None:

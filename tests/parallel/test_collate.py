@@ -20,6 +20,7 @@ from torchpipe.parallel import (
     tp_collate,
     tuple_fn,
 )
+from torchpipe.parallel.collate import per_output
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -80,6 +81,16 @@ def test_named_tuples_keep_their_type() -> None:
 def test_results_of_different_lengths_are_an_error_not_truncated() -> None:
     with pytest.raises(ValueError, match="different lengths"):
         tp_collate(2)(list)([1, 2, 3])
+
+
+def test_per_output_tuples_of_different_lengths_on_python_3_9() -> None:
+    """``zip(..., strict=True)`` in parallel/collate.py is Python 3.10; on 3.9, the declared minimum, every
+    TupleParallel whose module returns a tuple raised TypeError. The length check is now explicit."""
+    assert per_output([(1, "a"), (2, "b")]) == [(1, 2), ("a", "b")]
+    with pytest.raises(ValueError, match="different lengths"):
+        per_output([(1, 2), (3,)])
+    items: List[int] = [1, 2]
+    assert per_output(items) == (1, 2)
 
 
 def test_too_few_items_is_an_error() -> None:

@@ -169,6 +169,54 @@ def test_scalar_outputs_are_stacked() -> None:
     assert out.tolist() == [4.0, 4.0]
 
 
+class Counting(nn.Module):
+    """Returns its rows' logits and how many rows it saw, in several shapes of output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        logits = self.linear(x)
+        rows = x.shape[0]
+        return {
+            "pair": (logits, rows),
+            "nested": {"rows": rows, "names": [f"row{rows}"], "none": None, "kept": logits * 2},
+        }
+
+
+def test_data_parallel_keeps_every_replicas_non_tensor_outputs() -> None:
+    """DataParallel's gather took non-tensor leaves from replica 0 alone: a module returning
+    ``(logits, count)`` gave replica 0's count for the whole batch and dropped the others. Each such
+    leaf is now a tuple with one value per replica (also inside dicts; None everywhere stays None)."""
+    model = Counting()
+    x = torch.randn(5, 3)  # 3 rows and 2 rows on two replicas
+    out = DataParallel(model, ["cpu", "cpu"])(x)
+    logits, rows = out["pair"]
+    torch.testing.assert_close(logits, model.linear(x))
+    assert rows == (3, 2)
+    assert out["nested"]["rows"] == (3, 2)
+    assert out["nested"]["names"] == [("row3", "row2")]
+    assert out["nested"]["none"] is None
+    torch.testing.assert_close(out["nested"]["kept"], model.linear(x) * 2)
+
+    # One replica: the same rule, so code does not change with the number of devices.
+    assert DataParallel(model, ["cpu"])(x)["pair"][1] == (5,)
+
+    # except_keywords: the kept values are per-replica tuples as before; the rest follows the rule.
+    kept = DataParallel(model, ["cpu", "cpu"], except_keywords=["kept"])(x)
+    assert isinstance(kept["nested"]["kept"], tuple) and [t.shape[0] for t in kept["nested"]["kept"]] == [3, 2]
+    assert kept["pair"][1] == (3, 2) and kept["nested"]["rows"] == (3, 2)
+
+    # gather_to_one_device=False gives each replica's output whole; sort_and_gather gathers by the rule.
+    apart = DataParallel(model, ["cpu", "cpu"], gather_to_one_device=False)(x)
+    assert [o["pair"][1] for o in apart] == [3, 2] and [o["nested"]["names"] for o in apart] == [["row3"], ["row2"]]
+    sorted_out = DataParallel(model, ["cpu", "cpu"], gather_to_one_device=False, sort_and_gather=True)(x)
+    assert sorted_out["pair"][1] == (3, 2)
+    listed = DataParallel(model, ["cpu", "cpu"], batch_outputs=False)(x)
+    assert [o["pair"][1] for o in listed] == [3, 2]
+
+
 # --- threads, devices, errors ----------------------------------------------------------------------
 
 

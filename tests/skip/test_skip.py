@@ -1,8 +1,9 @@
 """torchpipe.skip: stash/pop in plain Sequentials and across GPipe partitions, namespaces, verification."""
 import copy
 import gc
+import pickle
 import weakref
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -11,9 +12,11 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchpipe
-from tests.models import skippable_unet
+from tests.models import cpu_gpipe, remember_and_recall, skippable_unet
 from torchpipe import GPipe
+from torchpipe.parallel import DataParallel
 from torchpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from torchpipe.skip.namespace import DEFAULT
 from torchpipe.transfer import record_transfers
 
 
@@ -74,6 +77,24 @@ def test_skippable_class_keeps_its_name_and_is_a_module() -> None:
     assert type(layer).__name__ == "Stash"
     assert isinstance(layer, nn.Module)
     assert type(layer).stashable_names == frozenset({"skip"})
+
+
+def test_skippable_layer_prints_as_torchgpipe_prints_it() -> None:
+    """torchgpipe 0.0.7 prints a skippable layer as ``@skippable(Layer(...))``; torchpipe printed it as a
+    plain module, so nothing told a skippable layer from the class it decorates."""
+
+    @skippable(stash=["hello"])
+    class Hello(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 1, 1)
+
+        def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+            yield stash("hello", x)
+            return self.conv(x)
+
+    assert repr(Hello()) == "@skippable(Hello(\n  (conv): Conv2d(1, 1, kernel_size=(1, 1), stride=(1, 1))\n))"
+    assert "(0): @skippable(Hello(" in repr(nn.Sequential(Hello()))
 
 
 @given(
@@ -181,6 +202,48 @@ def test_isolate_only_some_names() -> None:
         StashTwo().isolate(ns, only=["c"])
 
 
+def test_namespace_copies_are_equal_to_it() -> None:
+    """A Namespace compared by identity: ``copy.copy(ns) == ns`` was False (torchgpipe 0.0.7 says True), so
+    layers deep-copied one by one no longer paired their stash with their pop."""
+    ns = Namespace()
+    assert copy.copy(ns) == ns and copy.copy(ns) is not ns
+    assert copy.deepcopy(ns) == ns and hash(copy.deepcopy(ns)) == hash(ns)
+    assert pickle.loads(pickle.dumps(ns)) == ns
+    assert pickle.loads(pickle.dumps(DEFAULT)) == DEFAULT
+    assert Namespace() != ns and ns != DEFAULT
+    assert ns != "not a namespace"
+
+    stash_layer, pop_layer = Stash(4).isolate(ns), Pop(4).isolate(ns)
+    copied = nn.Sequential(copy.deepcopy(stash_layer), nn.Linear(4, 4), copy.deepcopy(pop_layer))
+    verify_skippables(copied)
+    pickled = pickle.loads(pickle.dumps(nn.Sequential(stash_layer, nn.Linear(4, 4), pop_layer)))
+    verify_skippables(pickled)
+
+
+def test_deepcopied_model_with_isolated_namespaces_still_verifies_and_routes() -> None:
+    """``copy.deepcopy(model)`` of a model with isolated namespaces must pass verify_skippables and route
+    each skip to its own pop inside GPipe, with the outputs of the original."""
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(
+        Stash(4).isolate(ns1), Stash(4).isolate(ns2), nn.Linear(4, 4), Pop(4).isolate(ns2), Pop(4).isolate(ns1)
+    )
+    copied = copy.deepcopy(model)
+    verify_skippables(copied)
+    x = torch.randn(6, 4)
+    expected = model(x)
+    piped = GPipe(copied, [2, 1, 2], devices=["cpu"] * 3, chunks=3)
+    torch.testing.assert_close(piped(x), expected)
+
+
+def test_two_namespaces_never_print_alike() -> None:
+    """Namespaces printed as a per-process counter, ``Namespace(3)``: a copy printed like its original
+    while comparing unequal, and namespaces from two processes printed alike."""
+    spaces = [Namespace() for _ in range(100)]
+    assert len({repr(ns) for ns in spaces}) == 100
+    assert repr(copy.deepcopy(spaces[0])) == repr(spaces[0])
+    assert repr(DEFAULT) not in {repr(ns) for ns in spaces}
+
+
 # --- verification --------------------------------------------------------------------------------
 
 
@@ -285,6 +348,154 @@ def test_a_declared_skip_a_forward_leaves_unused_is_a_runtime_error(where: str, 
     torch.testing.assert_close(StashesFoo()(x), x * 2)
 
 
+@skippable(stash=["skip"])
+class MaybeStash(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        if self.training:
+            yield stash("skip", x)
+        return x * 2
+
+
+@skippable(pop=["skip"])
+class PopSkip(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("skip")
+        return x + skip
+
+
+@skippable(pop=["skip"])
+class PopTwice(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("skip")
+        again = yield pop("skip")
+        return x + skip + again
+
+
+@skippable(stash=["skip"])
+class StashInput(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("skip", x)
+        return x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("balance", [[3], [1, 2], [1, 1, 1]])
+def test_a_declared_stash_not_made_is_a_runtime_error_everywhere(balance: List[int]) -> None:
+    # A skip that does not run as declared: across partitions the popping worker waited forever for a skip
+    # that the eval-mode layer never stashed.
+    model = nn.Sequential(MaybeStash(), nn.Identity(), PopSkip())
+    piped = cpu_gpipe(model, balance, chunks=2)
+    piped(torch.randn(4, 2))  # in training it is stashed
+    # Now the layer itself says so, as in torchgpipe, in the pipeline and outside.
+    piped.eval()
+    with pytest.raises(RuntimeError, match="MaybeStash must stash 'skip'"):
+        piped(torch.randn(4, 2))
+    model.eval()
+    with pytest.raises(RuntimeError, match="MaybeStash must stash 'skip'"):  # the plain module says the same
+        model(torch.randn(4, 2))
+    piped.train()
+    piped(torch.randn(4, 2))  # and the next step works
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("balance", [[2], [1, 1]])
+def test_a_skip_popped_twice_is_a_runtime_error(balance: List[int]) -> None:
+    # A layer that pops a skip a second time, in one forward, is told so, whatever the balance.
+    piped = cpu_gpipe(nn.Sequential(StashInput(), PopTwice()), balance, chunks=2)
+    with pytest.raises(RuntimeError, match="PopTwice popped 'skip'"):
+        piped(torch.randn(4, 2))
+
+
+# --- skips in a plain nn.Sequential --------------------------------------------------------------------
+
+
+class Boom(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        raise ValueError("boom")
+
+
+@skippable(stash=["skip"])
+class Recorded(nn.Module):
+    """Stashes ``2 * x`` and remembers a weak reference to it."""
+
+    def __init__(self, refs: List["weakref.ref[Tensor]"]) -> None:
+        super().__init__()
+        self.refs = refs
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        y = x * 2
+        self.refs.append(weakref.ref(y))
+        yield stash("skip", y)
+        return x
+
+
+def test_pop_after_a_forward_that_raised_does_not_get_its_stash() -> None:
+    """Outside GPipe, stashes were kept per thread until popped: a forward that raised between its stash
+    and its pop left the tensor behind, and the next forward that popped without stashing got it, a
+    tensor of another batch, silently. A pop sees only the stashes of its own forward."""
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="boom"):
+        nn.Sequential(Stash(4), Boom(), Pop(4))(x)
+    with pytest.raises(RuntimeError, match=r"Pop popped 'skip' .*no layer stashed it earlier in this forward"):
+        nn.Sequential(nn.Linear(4, 4), Pop(4))(x)
+
+    # A stash left unpopped by a forward that returned is not seen either.
+    nn.Sequential(Stash(4), nn.Linear(4, 4))(x)
+    with pytest.raises(RuntimeError, match="no layer stashed it"):
+        nn.Sequential(nn.Linear(4, 4), Pop(4))(x)
+
+
+def test_leftover_stashes_are_freed_when_their_forward_ends() -> None:
+    """The per-thread tracker held every stash no pop took, for ever: a forward that raised, or a
+    model that stashes more than it pops, kept activations alive after the forward was over."""
+    gc.disable()  # freed by reference counting, right away, not by a later collection
+    try:
+        refs: List[weakref.ref[Tensor]] = []
+        x = torch.randn(2, 4)
+        try:
+            nn.Sequential(Recorded(refs), Boom(), Pop(4))(x)
+        except ValueError:
+            pass
+        assert refs[-1]() is None, "the stash of a forward that raised outlived it"
+
+        nn.Sequential(Recorded(refs), nn.Linear(4, 4))(x)
+        assert refs[-1]() is None, "a stash never popped outlived its forward"
+
+        with pytest.raises(ValueError) as info:
+            nn.Sequential(Recorded(refs), Boom(), Pop(4))(x)
+        assert refs[-1]() is not None  # the traceback keeps the forward's frames, as any local
+        del info
+        assert refs[-1]() is None
+    finally:
+        gc.enable()
+
+
+def test_skips_still_work_by_hand_nested_and_in_data_parallel_replicas() -> None:
+    """What the scoping of plain skips must keep working: layers called by hand (in a function and at a
+    script's top level), a stash inside a nested Sequential popped by the outer one, and DataParallel
+    replicas that run the model on worker threads."""
+    x = torch.randn(4, 4)
+    stash_layer, pop_layer = Stash(4), Pop(4)
+    y = stash_layer.linear(x)
+    expected = pop_layer.linear(y.tanh()) * y
+
+    def by_hand() -> Tensor:
+        return pop_layer(stash_layer(x))
+
+    torch.testing.assert_close(by_hand(), expected)
+    namespace = {"stash_layer": stash_layer, "pop_layer": pop_layer, "x": x}
+    exec("out = pop_layer(stash_layer(x))", namespace)  # a script's top level
+    torch.testing.assert_close(namespace["out"], expected)
+
+    nested = nn.Sequential(nn.Sequential(stash_layer, nn.Identity()), pop_layer)
+    torch.testing.assert_close(nested(x), expected)
+
+    model = nn.Sequential(Stash(4), nn.Linear(4, 4), Pop(4))
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(DataParallel(model, ["cpu", "cpu", "cpu"])(x), plain(x))
+
+
 # --- U-Net ---------------------------------------------------------------------------------------
 
 
@@ -339,21 +550,10 @@ def test_no_grad_forward_leaves_nothing_in_flight() -> None:
 
 def seed_model(position: int) -> nn.Sequential:
     """The user guide's example: layer ``position`` remembers its input per micro-batch, the last adds it."""
-    skips: Dict[object, Tensor] = {}
-
-    class Remember(nn.Module):
-        def forward(self, x: Tensor) -> Tensor:
-            skips[torchpipe.current_microbatch()] = x
-            return x
-
-    class Recall(nn.Module):
-        def forward(self, x: Tensor) -> Tensor:
-            skip = skips.pop(torchpipe.current_microbatch())
-            return x + skip.to(x.device)
-
+    remember, recall = remember_and_recall()
     layers: List[nn.Module] = [nn.Linear(4, 4) for _ in range(6)]
-    layers.insert(position, Remember())
-    layers.append(Recall())
+    layers.insert(position, remember)
+    layers.append(recall)
     return nn.Sequential(*layers)
 
 
