@@ -18,6 +18,13 @@ from torchpipe.distributed.backend import DistributedBackend
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
+from torchpipe.distributed.tensor_parallel import (
+    TensorParallelPlan,
+    describe_plan,
+    parallelize_stages,
+    replicated,
+    verify_plan,
+)
 from torchpipe.partition import (
     cut,
     place,
@@ -83,10 +90,12 @@ class Pipeline(Pipelined):
         group: a ``torch.distributed`` process group to run one worker per
             rank; None: one process.
         deferred_batch_norm: as for GPipe.
-        mesh: a 2-D ``DeviceMesh`` with dimensions ``'pp'`` and ``'dp'``: the
-            pipeline runs over each ``'pp'`` sub-group (as with ``group``), and
-            the ranks of a ``'dp'`` sub-group are data-parallel replicas of the
-            same stages, each stepping on its own mini-batch.
+        mesh: a ``DeviceMesh`` with dimensions ``('dp', 'pp')``, ``('pp', 'tp')``
+            or ``('dp', 'pp', 'tp')`` (in any order): the pipeline runs over each
+            ``'pp'`` sub-group (as with ``group``), the ranks of a ``'dp'``
+            sub-group are data-parallel replicas of the same stages, each
+            stepping on its own mini-batch, and the ranks of a ``'tp'``
+            sub-group split each stage by ``tensor_parallel``.
         data_parallel: with ``mesh``: ``'replicate'`` (default; whole stages on
             every replica, gradients all-reduced once per step after each
             stage's last backward) or ``'shard'`` (FSDP2 per stage: parameters,
@@ -105,6 +114,14 @@ class Pipeline(Pipelined):
             compilation; :func:`torchpipe.compiling.compile_layers`), the
             layers of :func:`torchpipe.as_sequential` as whole graphs; the
             state dict keys stay the module's. False: eager.
+        tensor_parallel: with a mesh that has ``'tp'``: how each stage is split
+            over its tp ranks, as ``parallelize_module`` takes a plan: a dict
+            from the module's names (``'3.q_proj'``, ``'*.mlp.down_proj'``) to
+            ``ParallelStyle``s or the names ``'colwise'``, ``'rowwise'``,
+            ``'sequence_parallel'``, ``'colwise_gather_output'``,
+            ``'embedding_rowwise'``; or a function ``fn(stage, tp_mesh)`` that
+            parallelizes a stage in place and returns it (see [Note: tensor
+            parallel stages]).
 
     Across processes every rank must pass the same arguments and build the
     same model: the ranks compare them as the pipeline is made, and a
@@ -118,8 +135,10 @@ class Pipeline(Pipelined):
             ``schedule`` (every problem of a custom schedule is listed), a
             number of stages that does not fit the schedule's workers, a
             module that repeats a layer or shares a buffer between layers, a
-            mesh without dimensions ``'pp'`` and ``'dp'``, or a
-            ``data_parallel`` other than ``'replicate'`` and ``'shard'``.
+            mesh with other dimensions than those above, a ``data_parallel``
+            other than ``'replicate'`` and ``'shard'``, a ``'tp'`` dimension
+            without ``tensor_parallel`` or the other way round, or a plan that
+            names no module, or splits a size that ``tp`` does not divide.
         BalanceError: ``balance`` does not fit ``module``.
         IndexError: fewer devices than workers.
 
@@ -150,6 +169,7 @@ class Pipeline(Pipelined):
         data_parallel: Optional[str] = None,
         loss_weight: Optional[Callable[[Any], Any]] = None,
         compile: CompileOptions = False,
+        tensor_parallel: Optional[TensorParallelPlan] = None,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int):
@@ -171,7 +191,10 @@ class Pipeline(Pipelined):
         if not balance:
             raise ValueError("a Pipeline needs at least one stage; the module is empty")
         verify_skippables(module)
-        on_mesh = parse_mesh(mesh, data_parallel, group)
+        on_mesh = parse_mesh(mesh, data_parallel, group, tensor_parallel)
+        styles = None
+        if on_mesh is not None and on_mesh.tp_mesh is not None:
+            styles = verify_plan(module, tensor_parallel, on_mesh.lanes, find_ties(module, balance))
         if on_mesh is not None:
             group = on_mesh.pipeline
         ranks = None
@@ -205,7 +228,10 @@ class Pipeline(Pipelined):
                 mesh_ranks=None if on_mesh is None else on_mesh.ranks,
                 replica=0 if on_mesh is None else on_mesh.replica,
                 replicas=1 if on_mesh is None else on_mesh.replicas,
+                lane=0 if on_mesh is None else on_mesh.lane,
+                lanes=1 if on_mesh is None else on_mesh.lanes,
             )
+            self._channel.tp_mesh = None if on_mesh is None else on_mesh.tp_mesh
             # Before anything that depends on them: every rank was given the same (see [Note: ranks agree]).
             verify_agreement(self._channel, module, {
                 "balance": list(balance), "chunks": chunks,
@@ -214,6 +240,7 @@ class Pipeline(Pipelined):
                 "loss_weight": "a function" if loss_weight is not None else None,
                 "deferred_batch_norm": deferred_batch_norm,
                 "data_parallel": None if on_mesh is None else on_mesh.mode,
+                "tensor_parallel": describe_plan(tensor_parallel),
             })
             if self._channel.size != workers:
                 raise ValueError(
@@ -243,6 +270,8 @@ class Pipeline(Pipelined):
             for s, stage in enumerate(all_stages)
         ]
         del all_stages
+        if on_mesh is not None and on_mesh.tp_mesh is not None:  # see [Note: tensor parallel stages]
+            stages = parallelize_stages(stages, tensor_parallel, styles, on_mesh.tp_mesh)
         copies = retie(stages, ties)
         if compiled is not None:  # each layer of this rank's stages, in place: the keys stay the module's
             for stage in stages:
@@ -388,11 +417,14 @@ class Pipeline(Pipelined):
         return self._backend.exchange
 
     def _counted(self, params: List[nn.Parameter]) -> List[nn.Parameter]:
-        # This rank's share of the whole model's norm: a tied parameter on the first holder's copy only, and
-        # replicated gradients on the first replica only.
+        # This rank's share of the whole model's norm: a tied parameter on the first holder's copy only,
+        # replicated gradients on the first replica only, and a parameter whole on every tp rank on the first
+        # tp rank only (see [Note: tensor parallel stages]).
         channel = self._channel
         if channel is not None and channel.replicas > 1 and self.data_parallel == "replicate" and channel.replica:
             return []
+        if channel is not None and channel.lane:
+            params = [p for p in params if not replicated(p)]
         copies = set()
         for tie in self._ties:
             held = [(h, stage) for stage in self._stages if stage is not None

@@ -65,7 +65,7 @@ class DistributedBackend:
         # same stages, so they gather the same keys in the same order).
         whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
         merged = gather_states(self.channel, whole, first)
-        return None if self.channel.replica or self.channel.rank != first else merged
+        return None if self.channel.replica or self.channel.lane or self.channel.rank != first else merged
 
     def gather_timeline(self, timeline: Timeline, first: int) -> Optional[Timeline]:
         parts = gather_bytes(self.channel, timeline.to_json().encode(), first)

@@ -46,7 +46,9 @@ pipeline and to torchrun's restart attempt (see [Note: attempts] in torchpipe/di
 
 A multi-process pipeline of a mesh's replica shares the store's keys (and so
 its failures and ends of steps) with every replica, and has process groups
-of its own for its stages' messages.
+of its own for its stages' messages. With a ``'tp'`` dimension each replica
+has one pipeline per tp rank (a lane): ``<replica>`` in the keys above is
+then ``<replica>.<lane>``, and each lane's ranks publish and read their own.
 
 Keys of old steps are deleted as steps go (``left/<rank>``, one per rank, is overwritten).
 """
@@ -119,6 +121,8 @@ class Channel:
         mesh_ranks: Optional[Sequence[int]] = None,
         replica: int = 0,
         replicas: int = 1,
+        lane: int = 0,
+        lanes: int = 1,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -138,6 +142,11 @@ class Channel:
         #: This pipeline's replica (its index along a mesh's 'dp' dimension) and the number of replicas.
         self.replica = replica
         self.replicas = replicas
+        #: This pipeline's lane (its index along a mesh's 'tp' dimension: one pipeline per tp rank of each
+        #: replica, see [Note: tensor parallel stages]) and the number of lanes. The control plane's per-replica
+        #: keys are per lane: each lane's ranks publish and read their own lane's.
+        self.lane = lane
+        self.lanes = lanes
         with _instances_lock:
             number = next(_instances.setdefault(self.mesh_ranks, itertools.count()))
         # Keyed by restart attempt too: a job that torchrun restarted meets in the store its dead attempt wrote
@@ -150,9 +159,9 @@ class Channel:
         self.waits: Any = _own_connection(self.store, timeout)
         #: The groups of messages to a higher rank: gloo for headers and CPU tensors (``control``), and for CUDA
         #: tensors NCCL (``data``; the same gloo group on CPU).
-        self.up: Tuple[Any, Any] = self._groups(f"pipeline/{replica}", self.rank, self.size)
+        self.up: Tuple[Any, Any] = self._groups(f"pipeline/{self.of(replica)}", self.rank, self.size)
         self.control, self.data = self.up
-        down = self._gloo(f"pipeline/{replica}/down", self.rank, self.size)
+        down = self._gloo(f"pipeline/{self.of(replica)}/down", self.rank, self.size)
         #: The same for messages to a lower rank: a gloo group of their own (see [Note: a group for each
         #: direction] in torchpipe/distributed/routes.py); CUDA tensors go through the one NCCL group.
         self.down: Tuple[Any, Any] = (down, self.data if self.device.type == "cuda" else down)
@@ -167,6 +176,9 @@ class Channel:
         self.collectives = False
         #: Whether steps without backward start collectives too (FSDP2 gathers the parameters of every step).
         self.collectives_without_grad = False
+        #: The 'tp' sub-mesh of a tensor-parallel pipeline, on which DTensors received from other stages are
+        #: rebuilt (None without one: see torchpipe/distributed/dtensors.py).
+        self.tp_mesh: Any = None
         # A rank that ends between steps fails this pipeline everywhere (see [Note: liveness]).
         liveness.watch(self, timeout)
 
@@ -190,10 +202,18 @@ class Channel:
         ``name`` and ``members``, and itself as ``me``): NCCL for CUDA tensors, gloo on CPU."""
         return self._groups(name, list(members).index(me), len(members))[1]
 
+    def of(self, replica: int, lane: Optional[int] = None) -> str:
+        """The name of ``replica``'s pipeline of ``lane`` (default: this rank's) in keys and group names: the
+        replica's index, and the lane's where there are several."""
+        return f"{replica}" if self.lanes == 1 else f"{replica}.{self.lane if lane is None else lane}"
+
     @property
     def who(self) -> str:
-        """This rank, as failure messages name it: its rank in the pipeline, and its replica's index on a mesh."""
-        return f"{self.rank}" if self.replicas == 1 else f"{self.rank} of replica {self.replica}"
+        """This rank, as failure messages name it: its rank in the pipeline, and its replica's and lane's index
+        on a mesh."""
+        where = [f"replica {self.replica}"] if self.replicas > 1 else []
+        where += [f"tp rank {self.lane}"] if self.lanes > 1 else []
+        return f"{self.rank}" + (f" of {', '.join(where)}" if where else "")
 
     def next_sequence(self) -> int:
         """The number of the next step (or other collective call) of this pipeline; the same on every rank."""
@@ -225,7 +245,8 @@ class Channel:
         self._decide(f"failed/{sequence}", message)
         self._decide(f"fate/{sequence}", "abort")  # no-op after a commit (see commit)
         # The marks go only where nothing was written yet: a start published or a rank's done stand.
-        marked = [f"{key}/{sequence}/{r}" for key in ("start", "weight") for r in range(self.replicas)]
+        marked = [f"{key}/{sequence}/{self.of(r, lane)}" for key in ("start", "weight") for r in range(self.replicas)
+                  for lane in range(self.lanes)]
         marked += [f"{key}/{sequence}/{r}" for key in ("done", "exchange") for r in range(self.count)]
         for key in marked:
             self._decide(key, _FAILED.decode())
@@ -259,7 +280,7 @@ class Channel:
         Raises:
             PipelineError: a failure of the step was recorded before.
         """
-        name = f"{key}/{sequence}/{self.replica}"
+        name = f"{key}/{sequence}/{self.of(self.replica)}"
         value = _format(values)
         self._mine.setdefault(sequence, []).append(name)
         try:
@@ -272,7 +293,7 @@ class Channel:
     def published(self, sequence: int, key: str) -> Optional[List[float]]:
         """What this replica's rank published under ``key`` for step ``sequence``, without waiting: None where
         nothing was, or a failure marked the key first."""
-        name = f"{key}/{sequence}/{self.replica}"
+        name = f"{key}/{sequence}/{self.of(self.replica)}"
         try:
             if not self.store.check([name]):
                 return None
@@ -299,20 +320,22 @@ class Channel:
             raise PipelineError(self.failure(sequence) or "another rank's step failed")
         return values
 
-    def wait_for(self, sequence: int, key: str, replica: Optional[int] = None) -> List[float]:
-        """The values published under ``key`` for step ``sequence`` by a rank of ``replica`` (default: this
-        one's), once they are there (or a failure)."""
+    def wait_for(self, sequence: int, key: str, replica: Optional[int] = None, lane: Optional[int] = None
+                 ) -> List[float]:
+        """The values published under ``key`` for step ``sequence`` by a rank of ``replica``'s pipeline of
+        ``lane`` (default: this rank's), once they are there (or a failure)."""
         replica = self.replica if replica is None else replica
         # What is there is taken even if the step failed since: a rank that published the step's start and then
         # failed at once has sent, or will send, abort messages to this one, whose step must then start and
         # take them (see [Note: abort messages]).
-        (value,) = self._read(sequence, [f"{key}/{sequence}/{replica}"], f"the {key} of replica {replica}")
+        (value,) = self._read(sequence, [f"{key}/{sequence}/{self.of(replica, lane)}"],
+                              f"the {key} of replica {self.of(replica, lane)}")
         return _parse(value)
 
     def wait_for_replicas(self, sequence: int, key: str) -> List[List[float]]:
-        """The values every replica published under ``key`` for step ``sequence``, in replica order, read in one
-        trip once all are there (or a failure)."""
-        names = [f"{key}/{sequence}/{r}" for r in range(self.replicas)]
+        """The values every replica (of this rank's lane) published under ``key`` for step ``sequence``, in
+        replica order, read in one trip once all are there (or a failure)."""
+        names = [f"{key}/{sequence}/{self.of(r)}" for r in range(self.replicas)]
         return [_parse(value) for value in self._read(sequence, names, f"every replica's {key}")]
 
     def exchange(self, values: Sequence[float]) -> List[List[float]]:

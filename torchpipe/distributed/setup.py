@@ -1,5 +1,6 @@
-"""What a rank's stages share with other ranks, set up when a multi-process Pipeline is made: replicas that start
-equal, tied copies that start equal, and the hooks that reduce their gradients at the end of every step."""
+"""What a rank's stages share with other ranks, set up when a multi-process Pipeline is made: replicas and tp ranks
+that start equal, tied copies that start equal, and the hooks that reduce their gradients at the end of every
+step."""
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -9,6 +10,7 @@ from torchpipe.distributed.channel import Channel
 from torchpipe.distributed.mesh import MeshLayout
 from torchpipe.distributed.reduce import GradientReducer, TiedGroup
 from torchpipe.distributed.shard import ShardedStages, shard_stages
+from torchpipe.distributed.tensor_parallel import GradientPlacements
 from torchpipe.runtime import Runner
 from torchpipe.runtime.ties import Tie
 
@@ -23,13 +25,18 @@ def connect_stages(
     mesh: Optional[MeshLayout],
 ) -> None:
     """Called by every rank, in the same order (it makes process groups): makes this rank's stages start as the
-    first replica's and its tied copies as the first holder's, and installs the gradient reductions (see
-    [Note: reductions])."""
+    first replica's (their tensors that tensor parallelism left whole: as the first tp rank's) and its tied
+    copies as the first holder's, and installs the gradient reductions (see [Note: reductions])."""
     stages: Dict[int, nn.Module] = {s: stage for s, stage in enumerate(runner.stages.modules) if stage is not None}
+    if mesh is not None and mesh.tp_mesh is not None:  # see [Note: tensor parallel stages]
+        runner.hooks.append(GradientPlacements(stages))
+    if mesh is not None and mesh.lanes > 1:
+        lanes = channel.subgroup(f"tp/{mesh.replica}/{channel.rank}", list(range(mesh.lanes)), mesh.lane)
+        _broadcast(lanes, [t for t in _tensors(stages.values()) if not hasattr(t, "to_local")])
     replicas: Any = None
     if mesh is not None and mesh.replicas > 1:
         channel.collectives = True
-        replicas = channel.subgroup(f"dp/{channel.rank}", list(range(mesh.replicas)), mesh.replica)
+        replicas = channel.subgroup(f"dp/{mesh.lane}/{channel.rank}", list(range(mesh.replicas)), mesh.replica)
         _broadcast(replicas, _tensors(stages.values()))  # like DDP: every replica starts as the first
     tied: List[Tuple[Tie, Any]] = []
     for k, (tie, held) in enumerate(zip(ties, copies)):
@@ -42,7 +49,7 @@ def connect_stages(
         channel.collectives = True  # on every rank, whether it holds the tie or not
         if channel.rank not in holders:
             continue
-        group = channel.subgroup(f"tie/{channel.replica}/{k}", holders, channel.rank)
+        group = channel.subgroup(f"tie/{channel.of(channel.replica)}/{k}", holders, channel.rank)
         _broadcast(group, [held[0]])  # the copies start as the first holder's (see [Note: tied parameters])
         tied.append((tie, group))
     if mesh is not None and mesh.mode == "shard":

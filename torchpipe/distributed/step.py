@@ -123,10 +123,13 @@ def distributed_step(
         if relayouts is not None:
             relayouts += transport.relayouts
         end(step)
+        own: List[float] = []
         if rank == last and step_loss is not None:
             weighted = step_loss.weighted()
             dtype = next((v.dtype for v in weighted), torch.float32)
-            mine = ReplicaLoss(float(sum(float(v) for v in weighted)), dtype).pack()
+            own = ReplicaLoss(float(sum(float(v) for v in weighted)), dtype).pack()
+            # Every lane's last stage has its replica's loss: the first lane's tells it.
+            mine = own if channel.lane == 0 else []
         # The loss of every replica, but the last stage's rank of a lone pipeline knows the only one.
         read = step_loss is not None and not (rank == last and channel.replicas == 1)
         told = channel.done(sequence, mine, read=read)
@@ -146,7 +149,7 @@ def distributed_step(
         raise
     result: Optional[Tensor] = None
     if step_loss is not None:
-        losses = [ReplicaLoss.unpack(values) for values in (told if read else [mine]) if values]
+        losses = [ReplicaLoss.unpack(values) for values in (told if read else [own]) if values]
         assert len(losses) == channel.replicas, f"{len(losses)} losses told for {channel.replicas} replicas"
         result = torch.scalar_tensor(sum(told.value for told in losses), dtype=losses[0].dtype,
                                      device=devices[-1] if rank == last else devices[0])
@@ -257,6 +260,8 @@ def _start(
             raise
         mine = StepStart(training, [int(b.values[0].size(0)) if b.values[0].dim() > 0 else 1 for b in split])
         channel.publish(sequence, "start", mine.pack())
+        if channel.lane:
+            _check_lanes(channel, sequence, mine)
     # Every replica's shape: this one's to run, the others' for the total number of samples (what this rank
     # published it knows without a trip to the store).
     replicas = range(channel.replicas) if channel.replicas > 1 else [channel.replica]
@@ -266,6 +271,19 @@ def _start(
         for r in replicas
     }
     return split, inputs, shapes
+
+
+def _check_lanes(channel: Channel, sequence: int, mine: StepStart) -> None:
+    """Raises ``ValueError`` (recorded as the step's failure) if this first stage's rank of a lane other than the
+    first split another mini-batch than its replica's first lane: a stage's tp ranks compute on one input."""
+    first = StepStart.unpack(channel.wait_for(sequence, "start", lane=0))
+    if first != mine:
+        message = (
+            f"rank {channel.who}, a first stage's, split its input into micro-batches of {mine.sizes} but tp rank "
+            f"0 of its stage into {first.sizes}: every tp rank of the first stage must pass the same mini-batch"
+        )
+        channel.fail(sequence, message)
+        raise ValueError(message)
 
 
 def _check_modes(

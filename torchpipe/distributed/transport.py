@@ -15,13 +15,13 @@ import datetime
 import functools
 import threading
 import time
-from typing import Any, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
 
 from torchpipe import trace
-from torchpipe.distributed import wire
+from torchpipe.distributed import dtensors, wire
 from torchpipe.distributed.channel import BUSY_POLL_SECONDS, POLL_SECONDS, Channel, PipelineError
 from torchpipe.distributed.failure import PeerFailed, aborts_owed, peer_failure
 from torchpipe.distributed.memory import memory_of
@@ -147,11 +147,15 @@ class DistributedTransport:
         self._sent[peer] += 1
         # The stages send detached tensors; a tensor that requires grad is detached here (a .contiguous() of it
         # would be recorded by autograd).
-        tensors = [None if t is None else (t.detach() if t.requires_grad else t).contiguous() for t in message.tensors]
+        # A DTensor crosses as its local shard, its placements in the header (see distributed/dtensors.py).
+        parts = [(None, None) if t is None else dtensors.split(t.detach() if t.requires_grad else t)
+                 for t in message.tensors]
+        tensors = [None if t is None else t.contiguous() for t, _ in parts]
         if edge.kind is EdgeKind.SKIP and not message.tensors:
             header = wire.encode(wire.Kind.NOT_STASHED)
         else:
-            header = wire.encode(wire.Kind.DATA, tensors, message.requires_grad, message.atomic)
+            header = wire.encode(wire.Kind.DATA, tensors, message.requires_grad, message.atomic,
+                                 [sharding for _, sharding in parts])
         present = [t for t in tensors if t is not None]
         layout = layout_of(present)
         key = (self.rank, peer, edge)
@@ -337,6 +341,9 @@ class DistributedTransport:
             else:
                 values = iter(received)
                 tensors = [None if meta is None else next(values) for meta in decoded.tensors]
+                for j, sharding in enumerate(decoded.shardings):
+                    if sharding is not None:
+                        tensors[j] = dtensors.rebuild(cast(Tensor, tensors[j]), sharding, self.channel.tp_mesh)
                 message = Message(tensors, decoded.requires_grad, decoded.atomic)
             if not keep:
                 self.mailbox.put(edge, message)

@@ -2,8 +2,9 @@
 
 Every message names everything its receiver needs to allocate and rebuild it:
 the number of tensors, and for each whether it is present, its dtype, whether
-the receiving leaf needs grad, and its shape; whether the stage output was a
-single tensor; and the message's kind (data, a skip that was not stashed, or
+the receiving leaf needs grad, and its shape (a DTensor's local shape, then
+its placements and global shape: see ``distributed/dtensors.py``); whether
+the stage output was a single tensor; and the message's kind (data, a skip that was not stashed, or
 an abort). The receiver may guess the layout from the message's last
 crossing to post its receives early, but the header always says what the
 message is, so a shorter sequence or an uneven last micro-batch can never be
@@ -18,6 +19,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from torchpipe.distributed.dtensors import Sharding
 
 __all__ = ["HEADER_LENGTH", "Kind", "Header", "encode", "decode", "DTYPES", "Layout", "pack", "unpack", "packed_bytes"]
 
@@ -54,10 +57,11 @@ class Header:
     """A decoded header: the kind, whether the value is a single tensor, and per tensor its metadata (shared by
     every message with the same header: read it, never change it)."""
 
-    __slots__ = ("kind", "atomic", "tensors", "layout", "requires_grad")
+    __slots__ = ("kind", "atomic", "tensors", "layout", "requires_grad", "shardings")
 
     def __init__(
-        self, kind: Kind, atomic: bool, tensors: Tuple[Optional[Tuple[torch.dtype, bool, Tuple[int, ...]]], ...]
+        self, kind: Kind, atomic: bool, tensors: Tuple[Optional[Tuple[torch.dtype, bool, Tuple[int, ...]]], ...],
+        shardings: Tuple[Optional[Sharding], ...] = (),
     ) -> None:
         self.kind = kind
         self.atomic = atomic
@@ -67,12 +71,16 @@ class Header:
         self.layout: Layout = tuple((dtype, shape) for dtype, _, shape in filter(None, tensors))
         #: Per tensor: whether the receiving leaf requires grad (False where absent).
         self.requires_grad = tuple(meta is not None and meta[1] for meta in tensors)
+        #: Per tensor: how the DTensor it was lies on the tp mesh (None: a plain tensor, or absent); empty where
+        #: none was a DTensor.
+        self.shardings = shardings if any(shardings) else ()
 
 
 def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: Sequence[bool] = (),
-           atomic: bool = False) -> Tensor:
+           atomic: bool = False, shardings: Sequence[Optional[Sharding]] = ()) -> Tensor:
     """The header of a message as an int64 tensor of :data:`HEADER_LENGTH` entries (shared by every message of
-    the same header: read it, never write it).
+    the same header: read it, never write it). ``shardings``: per tensor, where it is a DTensor's local shard,
+    how the DTensor lies (see :func:`~torchpipe.distributed.dtensors.split`).
 
     Raises:
         ValueError: a dtype that cannot cross (see :data:`DTYPES`), or more
@@ -88,7 +96,11 @@ def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: 
             raise ValueError(f"a tensor of dtype {tensor.dtype} cannot be sent between stages; "
                              f"supported: {', '.join(map(str, DTYPES))}")
         flag = bool(requires_grad[k]) if k < len(requires_grad) else False
-        values += [1, code, int(flag), tensor.dim(), *tensor.shape]
+        sharding = shardings[k] if k < len(shardings) else None
+        values += [1 if sharding is None else 2, code, int(flag), tensor.dim(), *tensor.shape]
+        if sharding is not None:
+            values += [len(sharding.placements), *(v for placement in sharding.placements for v in placement),
+                       *sharding.shape]
     if len(values) > HEADER_LENGTH:
         raise ValueError(
             f"a message of {len(tensors)} tensors needs {len(values)} header entries, more than the "
@@ -128,16 +140,28 @@ def _decoded(raw: bytes) -> Header:
     kind, atomic, count = Kind(values[1]), bool(values[2]), values[3]
     position = 4
     tensors: List[Optional[Tuple[torch.dtype, bool, Tuple[int, ...]]]] = []
+    shardings: List[Optional[Sharding]] = []
     for _ in range(count):
-        if values[position] == 0:
+        present = values[position]
+        if present == 0:
             tensors.append(None)
+            shardings.append(None)
             position += 1
             continue
         code, flag, ndim = values[position + 1], values[position + 2], values[position + 3]
         shape = tuple(int(v) for v in values[position + 4 : position + 4 + ndim])
         tensors.append((DTYPES[code], bool(flag), shape))
         position += 4 + ndim
-    return Header(kind, atomic, tuple(tensors))
+        if present == 2:  # a DTensor's shard: its placements, then its global shape
+            places = values[position]
+            pairs = values[position + 1 : position + 1 + 2 * places]
+            placements = tuple((int(pairs[2 * j]), int(pairs[2 * j + 1])) for j in range(places))
+            position += 1 + 2 * places
+            shardings.append(Sharding(placements, tuple(int(v) for v in values[position : position + ndim])))
+            position += ndim
+        else:
+            shardings.append(None)
+    return Header(kind, atomic, tuple(tensors), tuple(shardings))
 
 
 #: Where a packed message's tensors start: on this boundary (a multiple of every dtype's size).

@@ -45,6 +45,15 @@ _NOT_PROFILED = contextlib.nullcontext()
 
 def run(step: Step, action: Action) -> None:
     """Runs ``action`` of ``step`` on the calling thread, under its device, stream and labels."""
+    s, kind = action.stage, action.kind
+    if step.loss is not None and step.loss.parallel and kind is not Kind.FORWARD and s + 1 == step.stages.count:
+        with step.loss.backward_context():  # a loss_parallel() loss: its backward too
+            _run(step, action)
+        return
+    _run(step, action)
+
+
+def _run(step: Step, action: Action) -> None:
     s, i, kind = action.stage, action.microbatch, action.kind
     recording = step.timings is not None or trace.active() or _profiler_enabled()
     if not recording and step.stages.devices[s].type != "cuda":
@@ -177,16 +186,10 @@ def _run_stage(step: Step, s: int, i: int, inputs: Batch) -> Tuple[Batch, Option
     out = Batch(output)
     if step.loss is None or s + 1 < stages.count:
         return out, None
-    fn, target = step.loss.fn, step.loss.targets[i]
-    if fn is None:
-        loss = output
-    elif target is None:
-        loss = fn(output)
-    else:
-        loss = fn(output, target)
+    loss = step.loss.compute(i, output)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
-        source = "loss_fn" if fn is not None else "the module (with loss_fn=None its output is the loss)"
+        source = "loss_fn" if step.loss.fn is not None else "the module (with loss_fn=None its output is the loss)"
         raise ValueError(f"{source} must return a single-element tensor, got {what}")
     return out, loss  # unweighted: see [Note: loss weights]
 

@@ -20,10 +20,11 @@ action that needs it. A micro-batch of weight 0 starts no backward (its
 loss, the mean of nothing, is NaN, and ``0 * NaN`` would reach every
 gradient).
 """
+import contextlib
 import functools
 import inspect
 import math
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ from torchpipe import microbatch, transfer
 from torchpipe.types import TensorOrTensors
 
 __all__ = ["Loss", "LossSpec", "split_target", "loss_weights", "target_weights", "shares", "check_target",
-           "without_backward", "StepLoss"]
+           "without_backward", "StepLoss", "compute_loss"]
 
 
 class LossSpec(NamedTuple):
@@ -52,7 +53,7 @@ class Loss:
     """How the last stage turns a micro-batch's output into its share of a ``Pipeline`` step's loss, and the
     micro-batches' losses as they are computed."""
 
-    __slots__ = ("fn", "targets", "weights", "scale", "values", "_total")
+    __slots__ = ("fn", "targets", "weights", "scale", "values", "parallel", "_total")
 
     def __init__(
         self,
@@ -72,8 +73,24 @@ class Loss:
         self.scale = scale
         #: Per micro-batch: its loss, unweighted and without graph, once the last stage computed it.
         self.values: List[Optional[Tensor]] = [None] * len(weights)
+        #: Whether the loss ran under ``loss_parallel()`` (logits sharded on the class dimension: see
+        #: :func:`compute_loss`), so that its backward must too.
+        self.parallel = False
         #: The total the weights are still to be divided by, read when first needed (see [Note: token weights]).
         self._total: Optional[Callable[[], float]] = None
+
+    def compute(self, i: int, output: Any) -> Tensor:
+        """Micro-batch ``i``'s loss, unweighted (see :func:`compute_loss`)."""
+        loss, self.parallel = compute_loss(self.fn, output, self.targets[i])
+        return loss
+
+    def backward_context(self) -> Any:
+        """What the backward of the last stage runs under: ``loss_parallel()`` where the loss did."""
+        if not self.parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def divide_later(self, weights: List[float], total: Callable[[], float]) -> None:
         """Sets the micro-batches' raw weights, to be divided by ``total()`` once a weight is first needed."""
@@ -194,6 +211,41 @@ def check_target(spec: LossSpec, target: Optional[TensorOrTensors], where: str) 
         raise ValueError(f"loss_weight weighs each micro-batch by its target: {where} must pass the target")
     if spec.fn is not None and not _takes_one_argument(spec.fn):
         raise ValueError(f"{where} must pass the target: loss_fn takes (output, target)")
+
+
+def compute_loss(fn: Optional[Callable[..., Tensor]], output: Any, target: Any) -> Tuple[Tensor, bool]:
+    """``fn(output, target)`` (``fn(output)`` for a None target; ``output`` itself for a None ``fn``), a plain
+    tensor; and whether it ran under ``loss_parallel()``.
+
+    A tensor-parallel last stage may leave its output a DTensor (see [Note: tensor parallel stages] in
+    ``torchpipe/distributed/tensor_parallel.py``): logits sharded on their last (class) dimension go into ``fn``
+    under ``loss_parallel()``, never gathered (and the backward runs under it too: :meth:`Loss.backward_context`);
+    any other DTensor output goes in whole (``full_tensor()``). A DTensor loss comes out whole, as a plain
+    tensor.
+    """
+    context: Any = contextlib.nullcontext()
+    if fn is None:
+        return (output.full_tensor() if _is_dtensor(output) else output), False
+    parallel = False
+    if _is_dtensor(output):
+        if _sharded_on_last(output):
+            parallel = True
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            context = loss_parallel()
+        else:
+            output = output.full_tensor()
+    with context:
+        loss = fn(output) if target is None else fn(output, target)
+    return (loss.full_tensor() if _is_dtensor(loss) else loss), parallel  # type: ignore[attr-defined]
+
+
+def _is_dtensor(value: Any) -> bool:
+    return isinstance(value, Tensor) and hasattr(value, "full_tensor") and hasattr(value, "placements")
+
+
+def _sharded_on_last(value: Any) -> bool:
+    return any(p.is_shard() and p.dim in (-1, value.dim() - 1) for p in value.placements)
 
 
 @functools.lru_cache(maxsize=64)  # asked at every step without a target: read each loss_fn's signature once

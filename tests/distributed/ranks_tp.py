@@ -1,0 +1,181 @@
+"""What each rank runs in the tests of tensor parallelism inside stages, on a ('pp', 'tp') or ('dp', 'pp', 'tp')
+mesh of gloo ranks."""
+import copy
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchpipe import Pipeline
+
+VOCAB, WIDTH, HIDDEN, HEADS = 16, 8, 16, 2
+
+
+class Attention(nn.Module):
+    """Self-attention with a residual: q, k, v and o projections, heads from the projection's width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, -1, WIDTH // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    """A norm, an MLP and a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def model(seed: int = 0) -> nn.Sequential:
+    """A small language model whose cuts carry plain tensors, a DTensor sharded on its last dimension, or a
+    replicated DTensor whose gradient comes back partial (see :func:`plan`); the head tied to the embedding."""
+    torch.manual_seed(seed)
+    layers = nn.Sequential(
+        nn.Embedding(VOCAB, WIDTH),        # 0
+        Attention(),                       # 1
+        nn.Linear(WIDTH, WIDTH),           # 2: leaves a DTensor, Shard(-1)
+        nn.Linear(WIDTH, WIDTH),           # 3: takes it; leaves a DTensor, Replicate
+        nn.Linear(WIDTH, WIDTH),           # 4: takes it (its gradient is partial); leaves a local shard
+        nn.Linear(WIDTH, WIDTH),           # 5
+        Block(),                           # 6
+        nn.LayerNorm(WIDTH),               # 7
+        nn.Linear(WIDTH, VOCAB, bias=False),  # 8: the head, logits sharded on the vocabulary
+    ).double()
+    layers[8].weight = layers[0].weight
+    return layers
+
+
+def plan() -> Dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "0": "embedding_rowwise",
+        "1.q": "colwise", "1.k": "colwise", "1.v": "colwise", "1.o": "rowwise",
+        "2": ColwiseParallel(use_local_output=False),
+        "3": RowwiseParallel(use_local_output=False),
+        "4": "colwise", "5": "rowwise",
+        "*.up": "colwise", "*.down": "rowwise",
+        "8": ColwiseParallel(use_local_output=False),
+    }
+
+
+def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def tokens(batch: int, seed: int, length: int = 6) -> Tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB, (batch, length + 1), generator=generator)
+    return data[:, :-1], data[:, 1:]
+
+
+def _mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+
+
+def _full(tensor: Tensor) -> Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+def _compare(case: str, pipe: Pipeline, plain: nn.Module, problems: List[str]) -> None:
+    """Every gradient this rank holds, made whole, against the plain module's (by plain key)."""
+    expected = {name: p.grad for name, p in plain.named_parameters(remove_duplicate=False)}
+    for name, param in pipe.named_parameters(remove_duplicate=False):
+        want, got = expected[name], None if param.grad is None else _full(param.grad)
+        if (got is None) != (want is None):
+            problems.append(f"{case}: the gradient of {name} is {got} but the plain module's is {want}")
+        elif want is not None and got is not None and not torch.allclose(got, want, rtol=1e-7, atol=1e-10):
+            problems.append(f"{case}: the gradient of {name} differs by {(got - want).abs().max().item()}")
+
+
+def transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[str],
+                 runs: Sequence[Tuple[str, Sequence[int], int, str]], mode: Optional[str] = None) -> List[str]:
+    """Per run (schedule, balance, chunks, checkpoint): two training steps whose replicas' batches differ in size
+    (uneven micro-batches) against the plain module on all of them: the loss on every rank, every gradient,
+    the clipped gradients and the norm (2, then inf), and the parameters after an SGD step."""
+    mesh = _mesh(shape, names)
+    dims = dict(zip(names, shape))
+    dp, pp = dims.get("dp", 1), dims["pp"]
+    replica = mesh.get_local_rank("dp") if "dp" in dims else 0
+    position = mesh.get_local_rank("pp")
+    problems: List[str] = []
+    for schedule, balance, chunks, checkpoint in runs:
+        layers = model()
+        plain = copy.deepcopy(layers)
+        pipe = Pipeline(layers, list(balance), chunks=chunks, schedule=schedule, loss_fn=lm_loss, mesh=mesh,
+                        data_parallel=mode, tensor_parallel=plan(), checkpoint=checkpoint)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        reference = torch.optim.SGD(plain.parameters(), lr=0.5)
+        for step, sizes in enumerate([(5, 3), (4, 6)]):
+            every = [tokens(sizes[r], seed=10 * step + r) for r in range(dp)]
+            x, y = every[replica]
+            stages = len(balance)
+            first, last = pipe.schedule.stage_workers[0], pipe.schedule.stage_workers[stages - 1]
+            loss = pipe.step(x if position == first else None, y if position == last else None)
+            expected = lm_loss(plain(torch.cat([x for x, _ in every])), torch.cat([y for _, y in every]))
+            expected.backward()
+            case = f"{schedule} {list(balance)} {checkpoint} {mode} step {step}"
+            if not torch.allclose(loss, expected.detach(), rtol=1e-9):
+                problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
+            _compare(case, pipe, plain, problems)
+            norm_type = 2.0 if step == 0 else float("inf")
+            norm = pipe.clip_grad_norm_(0.05, norm_type=norm_type)
+            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type=norm_type)
+            if not torch.allclose(norm, expected_norm, rtol=1e-9):
+                problems.append(f"{case}: norm {norm.item()} != {expected_norm.item()} ({norm_type})")
+            _compare(f"{case} clipped", pipe, plain, problems)
+            optimizer.step()
+            reference.step()
+            optimizer.zero_grad()
+            reference.zero_grad()
+        state = {key: _full(value) for key, value in pipe.state_dict().items()}
+        for key, value in plain.state_dict().items():
+            if key in state and not torch.allclose(state[key], value, rtol=1e-9):
+                problems.append(f"{schedule} {list(balance)}: {key} drifted from the plain module's")
+    return problems
+
+
+def bad_arguments(rank: int, world: int) -> Dict[str, str]:
+    """Each bad argument's error (type and message) on this rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    pp_tp = _mesh((2, 2), ("pp", "tp"))
+    dp_pp = _mesh((2, 2), ("dp", "pp"))
+    odd = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 8)).double()
+    cases: Dict[str, Any] = {
+        "no plan": dict(mesh=pp_tp),
+        "no tp": dict(mesh=dp_pp, tensor_parallel={"0": "colwise"}),
+        "no mesh": dict(tensor_parallel={"0": "colwise"}),
+        "unknown name": dict(mesh=pp_tp, tensor_parallel={"0.q_proj": "colwise"}),
+        "unknown style": dict(mesh=pp_tp, tensor_parallel={"0": "colwise_rep"}),
+        "not divisible": dict(mesh=pp_tp, tensor_parallel={"0": ColwiseParallel()}, module=odd),
+        "tie split apart": dict(mesh=pp_tp, tensor_parallel={"0": "embedding_rowwise", "8": "rowwise"},
+                                module=model()),
+        "shard without dp": dict(mesh=pp_tp, tensor_parallel={"0": "colwise"}, data_parallel="shard"),
+    }
+    errors: Dict[str, str] = {}
+    for case, kwargs in cases.items():
+        module = kwargs.pop("module", nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).double())
+        balance = [len(module) - len(module) // 2, len(module) // 2]
+        try:
+            Pipeline(module, balance, chunks=2, loss_fn=lm_loss, **kwargs)
+            errors[case] = "no error"
+        except Exception as exc:
+            errors[case] = f"{type(exc).__name__}: {exc}"
+    return errors
