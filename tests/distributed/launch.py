@@ -100,7 +100,13 @@ def launch(function: str, world: int, *, timeout: float = 120.0, **kwargs: Any) 
         results: List[Optional[Dict[str, Any]]] = []
         for rank in range(world):
             path = Path(folder) / f"{rank}.pt"
-            results.append(torch.load(path, weights_only=False) if path.exists() else None)
+            if path.exists():
+                results.append(torch.load(path, weights_only=False))
+            else:  # the rank died (a crash, a signal): None, and what it printed, for a failing test to show
+                log = (Path(folder) / f"{rank}.log").read_bytes().decode(errors="replace")[-6000:]
+                print(f"--- rank {rank} of {function} ended without a result (exit code "
+                      f"{children[rank].returncode}) ---\n{log}", file=sys.stderr)
+                results.append(None)
         return results
 
 

@@ -111,7 +111,7 @@ def transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[st
     the clipped gradients and the norm (2, then inf), and the parameters after an SGD step."""
     mesh = _mesh(shape, names)
     dims = dict(zip(names, shape))
-    dp, pp = dims.get("dp", 1), dims["pp"]
+    dp = dims.get("dp", 1)
     replica = mesh.get_local_rank("dp") if "dp" in dims else 0
     position = mesh.get_local_rank("pp")
     problems: List[str] = []
@@ -157,7 +157,7 @@ def bad_arguments(rank: int, world: int) -> Dict[str, str]:
 
     pp_tp = _mesh((2, 2), ("pp", "tp"))
     dp_pp = _mesh((2, 2), ("dp", "pp"))
-    odd = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 8)).double()
+    odd = nn.Sequential(nn.Linear(8, 5), nn.Linear(5, 8)).double()
     cases: Dict[str, Any] = {
         "no plan": dict(mesh=pp_tp),
         "no tp": dict(mesh=dp_pp, tensor_parallel={"0": "colwise"}),
@@ -179,3 +179,106 @@ def bad_arguments(rank: int, world: int) -> Dict[str, str]:
         except Exception as exc:
             errors[case] = f"{type(exc).__name__}: {exc}"
     return errors
+
+
+# --- checkpoints across layouts -----------------------------------------------------------------------------
+
+
+def _layout(layout: str, rank: int) -> Tuple[Pipeline, int, bool, bool]:
+    """A pipeline of :func:`model` under ``layout``: ``'pp2-tp2'``, ``'dp2-pp2-tp2-shard'``, ``'pp2-tp1'``,
+    ``'dp2-pp2-replicate'`` (no tp), ``'local-3'`` (3 stages in one process); with this rank's replica and
+    whether it reads the input and the target."""
+    layers = model()
+    if layout.startswith("local"):
+        stages = int(layout.split("-")[1])
+        pipe = Pipeline(layers, [3] * stages, chunks=2, loss_fn=lm_loss, devices=["cpu"] * stages)
+        return pipe, 0, True, True
+    parts = layout.split("-")
+    mode = parts[-1] if parts[-1] in ("shard", "replicate") else None
+    dims = [(part[:2], int(part[2:])) for part in parts if part[:2] in ("dp", "pp", "tp")]
+    mesh = _mesh([n for _, n in dims], [name for name, _ in dims])
+    sizes = dict(dims)
+    pipe = Pipeline(layers, [3, 6] if sizes["pp"] == 2 else [9], chunks=2, loss_fn=lm_loss, mesh=mesh,
+                    data_parallel=mode, tensor_parallel=plan() if "tp" in sizes else None)
+    position = mesh.get_local_rank("pp")
+    replica = mesh.get_local_rank("dp") if "dp" in sizes else 0
+    return pipe, replica, position == 0, position == sizes["pp"] - 1
+
+
+def _local_state(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> Dict[str, Tensor]:
+    """This rank's parameters and Adam states by plain name, whole (a sharded one gathered: a collective)."""
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    state: Dict[str, Tensor] = {f"model.{n}": _full(p.detach()).clone() for n, p in pipe.named_parameters()}
+    for param in pipe.parameters():
+        for key, value in sorted(optimizer.state[param].items()):
+            state[f"optim.{names[id(param)]}.{key}"] = _full(value).clone()
+    return state
+
+
+def _train(pipe: Pipeline, optimizer: torch.optim.Optimizer, replica: int, first: bool, last: bool,
+           seeds: Sequence[int]) -> None:
+    for seed in seeds:
+        x, y = tokens(4, seed=seed + replica)
+        pipe.step(x if first else None, y if last else None)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def dcp_save(rank: int, world: int, path: str, layout: str) -> Dict[str, Tensor]:
+    """Trains two steps under ``layout``, saves model and Adam state with DCP; returns this rank's values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    pipe, replica, first, last = _layout(layout, rank)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    _train(pipe, optimizer, replica, first, last, [0, 10])
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(pipe, optimizer, options=options)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return _local_state(pipe, optimizer)
+
+
+def dcp_load(rank: int, world: int, path: str, layout: str) -> Dict[str, Tensor]:
+    """Loads the checkpoint into a fresh pipeline of ``layout`` (and Adam); returns this rank's values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    pipe, replica, first, last = _layout(layout, rank)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    _train(pipe, optimizer, replica, first, last, [99])  # Adam's state exists after a step: overwritten below
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(pipe, optimizer, options=options)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(pipe, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
+    return _local_state(pipe, optimizer)
+
+
+def full_state(rank: int, world: int, layout: str) -> Dict[str, Any]:
+    """full_state_dict() after a step: the whole plain state dict (every tensor whole) on global rank 0 only."""
+    pipe, replica, first, last = _layout(layout, rank)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    _train(pipe, optimizer, replica, first, last, [0])
+    state = pipe.full_state_dict()
+    local = {key: _full(value) for key, value in pipe.state_dict().items()}
+    return {"keys": list(state), "values": state, "local": local}
+
+
+def uneven_lanes(rank: int, world: int) -> Dict[str, str]:
+    """The first stage's tp ranks pass mini-batches of different sizes: a ValueError there, a PipelineError
+    elsewhere, and the next step works."""
+    mesh = _mesh((2, 2), ("pp", "tp"))
+    pipe = Pipeline(model(), [3, 6], chunks=2, loss_fn=lm_loss, mesh=mesh, tensor_parallel=plan())
+    position, lane = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
+    result: Dict[str, str] = {}
+    x, y = tokens(4 if lane == 0 else 5, seed=0)
+    try:
+        pipe.step(x if position == 0 else None, y if position == 1 else None)
+        result["first"] = "no error"
+    except Exception as exc:
+        result["first"] = f"{type(exc).__name__}: {exc}"
+    x, y = tokens(4, seed=1)
+    loss = pipe.step(x if position == 0 else None, y if position == 1 else None)
+    result["second"] = f"{float(loss):.6f}"
+    return result

@@ -96,3 +96,24 @@ def test_a_dtype_that_cannot_cross_is_refused_with_the_ones_that_can() -> None:
         pytest.skip("this PyTorch has no uint16")
     with pytest.raises(ValueError, match="cannot be sent between stages; supported: torch.float32"):
         wire.encode(wire.Kind.DATA, [torch.zeros(2, dtype=uint16)], [False])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.tuples(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)),
+                                                            min_size=1, max_size=3).map(tuple),
+                                                   st.tuples(st.integers(0, 9), st.integers(0, 9)))),
+                min_size=1, max_size=4))
+def test_a_dtensors_placements_and_global_shape_cross_in_the_header(
+    shardings: List[object],
+) -> None:
+    # A tensor-parallel stage's DTensor crosses as its local shard; the receiver rebuilds it from the header's
+    # placements and global shape (torchpipe/distributed/dtensors.py): they must come back as they went.
+    from torchpipe.distributed.dtensors import Sharding
+
+    tensors = [torch.zeros(2, 3) for _ in shardings]  # local shapes: of the global one's dimensions
+    made = [None if s is None else Sharding(*s) for s in shardings]  # type: ignore[misc]
+    header = wire.encode(wire.Kind.DATA, tensors, [True] * len(tensors), shardings=made)
+    decoded = wire.decode(wire.pack(header, tensors, tuple((t.dtype, tuple(t.shape)) for t in tensors)))
+    assert decoded.shardings == (tuple(made) if any(made) else ())
+    assert decoded.layout == tuple((torch.float32, (2, 3)) for _ in tensors)
+    assert decoded.requires_grad == (True,) * len(tensors)

@@ -34,18 +34,28 @@ def is_dtensor(tensor: Any) -> bool:
 
 
 def split(tensor: Tensor) -> Tuple[Tensor, Optional[Sharding]]:
-    """A tensor as it crosses: a DTensor's local shard and its :class:`Sharding`; a plain tensor as it is.
+    """A tensor as it crosses: a DTensor's local shard and its :class:`Sharding`; a plain tensor as it is (a
+    collective's result in flight, once it is there).
 
     Raises:
         ValueError: a placement that cannot cross (a partial reduction other than a sum or an average, or a
             placement other than DTensor's own).
     """
     if not is_dtensor(tensor):
-        return tensor, None
+        return _waited(tensor), None
     placements = []
     for placement in tensor.placements:  # type: ignore[attr-defined]
         placements.append(_code(placement))
-    return tensor.to_local(), Sharding(tuple(placements), tuple(tensor.shape))  # type: ignore[attr-defined]
+    local = _waited(tensor.to_local())  # type: ignore[attr-defined]
+    return local, Sharding(tuple(placements), tuple(tensor.shape))
+
+
+def _waited(tensor: Tensor) -> Tensor:
+    """``tensor``, its collective waited for where it is the result of one still in flight (a functional
+    collective's ``AsyncCollectiveTensor``, as a tensor-parallel layer's local output may be): its memory is
+    only there then."""
+    wait = getattr(tensor, "wait", None) if type(tensor) is not Tensor else None
+    return wait() if callable(wait) else tensor
 
 
 def _code(placement: Any) -> Tuple[int, int]:

@@ -31,6 +31,9 @@ def connect_stages(
     if mesh is not None and mesh.tp_mesh is not None:  # see [Note: tensor parallel stages]
         runner.hooks.append(GradientPlacements(stages))
     if mesh is not None and mesh.lanes > 1:
+        # A stage's tp ranks run collectives in every forward and backward: every rank commits to each step
+        # before any runs (see Channel.commit), so that a step one rank refuses never starts on its tp peers.
+        channel.collectives = channel.collectives_without_grad = True
         lanes = channel.subgroup(f"tp/{mesh.replica}/{channel.rank}", list(range(mesh.lanes)), mesh.lane)
         _broadcast(lanes, [t for t in _tensors(stages.values()) if not hasattr(t, "to_local")])
     replicas: Any = None

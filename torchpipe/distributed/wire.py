@@ -99,6 +99,7 @@ def encode(kind: Kind, tensors: Sequence[Optional[Tensor]] = (), requires_grad: 
         sharding = shardings[k] if k < len(shardings) else None
         values += [1 if sharding is None else 2, code, int(flag), tensor.dim(), *tensor.shape]
         if sharding is not None:
+            assert len(sharding.shape) == tensor.dim(), "a DTensor's shard has its global shape's dimensions"
             values += [len(sharding.placements), *(v for placement in sharding.placements for v in placement),
                        *sharding.shape]
     if len(values) > HEADER_LENGTH:

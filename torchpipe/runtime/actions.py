@@ -42,11 +42,14 @@ __all__ = ["run", "forward", "recompute", "backward", "backward_input", "backwar
 
 _NOT_PROFILED = contextlib.nullcontext()
 
+#: The actions that run a backward (a forward or recomputation computes its loss under its own context).
+_BACKWARDS = (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+
 
 def run(step: Step, action: Action) -> None:
     """Runs ``action`` of ``step`` on the calling thread, under its device, stream and labels."""
     s, kind = action.stage, action.kind
-    if step.loss is not None and step.loss.parallel and kind is not Kind.FORWARD and s + 1 == step.stages.count:
+    if step.loss is not None and step.loss.parallel and kind in _BACKWARDS and s + 1 == step.stages.count:
         with step.loss.backward_context():  # a loss_parallel() loss: its backward too
             _run(step, action)
         return
