@@ -20,6 +20,7 @@ from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
 from torchpipe.distributed.tensor_parallel import (
     TensorParallelPlan,
+    action_context,
     describe_plan,
     parallelize_stages,
     replicated,
@@ -292,6 +293,8 @@ class Pipeline(Pipelined):
             name=f"Pipeline(balance={balance}, schedule={self.schedule_name!r})",
         )
         placed.share(shared_stages(stages, ties))
+        if on_mesh is not None and on_mesh.tp_mesh is not None:
+            placed.action_context = action_context(stages)
         self._runner = Runner(placed, schedule_for)
         #: Where the steps run: this process, or this rank of several (one code path for both from here on).
         self._backend: Backend

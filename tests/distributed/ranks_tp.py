@@ -93,14 +93,15 @@ def _full(tensor: Tensor) -> Tensor:
     return full() if callable(full) else tensor
 
 
-def _compare(case: str, pipe: Pipeline, plain: nn.Module, problems: List[str]) -> None:
+def _compare(case: str, pipe: Pipeline, plain: nn.Module, problems: List[str], rtol: float = 1e-7,
+             atol: float = 1e-10) -> None:
     """Every gradient this rank holds, made whole, against the plain module's (by plain key)."""
     expected = {name: p.grad for name, p in plain.named_parameters(remove_duplicate=False)}
     for name, param in pipe.named_parameters(remove_duplicate=False):
         want, got = expected[name], None if param.grad is None else _full(param.grad)
         if (got is None) != (want is None):
             problems.append(f"{case}: the gradient of {name} is {got} but the plain module's is {want}")
-        elif want is not None and got is not None and not torch.allclose(got, want, rtol=1e-7, atol=1e-10):
+        elif want is not None and got is not None and not torch.allclose(got, want, rtol=rtol, atol=atol):
             problems.append(f"{case}: the gradient of {name} differs by {(got - want).abs().max().item()}")
 
 
@@ -282,3 +283,79 @@ def uneven_lanes(rank: int, world: int) -> Dict[str, str]:
     loss = pipe.step(x if position == 0 else None, y if position == 1 else None)
     result["second"] = f"{float(loss):.6f}"
     return result
+
+
+# --- a Hugging Face model with its own plan -----------------------------------------------------------------
+
+
+def llama(tied: bool = True) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=tied, attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def shifted_cross_entropy(logits: Tensor, ids: Tensor) -> Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+
+
+def llama_transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[str],
+                       runs: Sequence[Tuple[str, int, str]], mode: Optional[str] = None) -> List[str]:
+    """A tiny Llama traced by as_sequential, split by its own tensor-parallel plan (``model._tp_plan``): per run
+    (schedule, chunks, checkpoint), two steps of other sequence lengths against the plain model: the loss, every
+    gradient, the clipped norm and the parameters after an SGD step."""
+    import torchpipe
+
+    mesh = _mesh(shape, names)
+    dims = dict(zip(names, shape))
+    dp = dims.get("dp", 1)
+    replica = mesh.get_local_rank("dp") if "dp" in dims else 0
+    position = mesh.get_local_rank("pp")
+    problems: List[str] = []
+    for schedule, chunks, checkpoint in runs:
+        original = llama()
+        seq = torchpipe.as_sequential(original, input_ids=torch.randint(1, 96, (2, 8)), output="logits",
+                                      use_cache=False)
+        plain = copy.deepcopy(seq)
+        stages = dims["pp"] * (2 if schedule == "interleaved_1f1b" else 1)
+        balance = [len(seq) // stages + (1 if s < len(seq) % stages else 0) for s in range(stages)]
+        pipe = Pipeline(seq, balance, chunks=chunks, schedule=schedule, loss_fn=shifted_cross_entropy, mesh=mesh,
+                        data_parallel=mode, tensor_parallel=original._tp_plan, checkpoint=checkpoint)
+        first, last = pipe.schedule.stage_workers[0], pipe.schedule.stage_workers[-1]
+        # SGD: Adam's update would magnify the float32 rounding of the norms (see below) into the next step.
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        reference = torch.optim.SGD(plain.parameters(), lr=0.5)
+        for step, length in enumerate([9, 5]):
+            every = [torch.randint(1, 96, (4 + r, length), generator=torch.Generator().manual_seed(10 * step + r))
+                     for r in range(dp)]
+            ids = every[replica]
+            loss = pipe.step(ids if position == first else None, ids if position == last else None)
+            expected = shifted_cross_entropy(plain(torch.cat(every)), torch.cat(every)) if dp == 1 else None
+            if expected is None:  # replicas of other sizes: the mean over every token of every replica
+                logits = [plain(batch) for batch in every]
+                total = sum(shifted_cross_entropy(lg, b) * (b.size(0)) for lg, b in zip(logits, every))
+                expected = total / sum(b.size(0) for b in every)
+            expected.backward()
+            case = f"{schedule} {checkpoint} {mode} step {step}"
+            # Llama's norms compute in float32 (the traced graph converts to it): sums of shards round there.
+            if not torch.allclose(loss, expected.detach(), rtol=1e-6):
+                problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
+            _compare(case, pipe, plain, problems, rtol=1e-5, atol=1e-7)
+            norm = pipe.clip_grad_norm_(0.5)
+            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+            if not torch.allclose(norm, expected_norm, rtol=1e-6):
+                problems.append(f"{case}: norm {norm.item()} != {expected_norm.item()}")
+            optimizer.step()
+            reference.step()
+            optimizer.zero_grad()
+            reference.zero_grad()
+        state = {key: _full(value) for key, value in pipe.state_dict().items()}
+        for key, value in plain.state_dict().items():
+            if key in state and not torch.allclose(state[key], value, rtol=1e-5, atol=1e-7):
+                problems.append(f"{schedule}: {key} drifted from the plain model's")
+    return problems

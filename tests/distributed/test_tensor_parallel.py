@@ -44,6 +44,27 @@ def test_a_3d_mesh_gives_the_plain_models_loss_and_gradients(mode: str) -> None:
 
 
 @pytest.mark.slow
+def test_a_hugging_face_model_trains_with_its_own_plan_on_pp_x_tp() -> None:
+    # A tiny Llama traced by as_sequential, split by model._tp_plan as it is (the original model's names, its
+    # style names), its embedding tied to its head: every schedule kind, checkpointing, two steps of other
+    # sequence lengths.
+    pytest.importorskip("transformers")
+    runs = [("1f1b", 2, "never"), ("gpipe", 3, "always"), ("zero_bubble", 2, "except_last"),
+            ("interleaved_1f1b", 2, "never")]
+    problems = ok(launch("tests.distributed.ranks_tp:llama_transparency", 4, timeout=400, shape=[2, 2],
+                         names=["pp", "tp"], runs=runs))
+    assert problems == [[]] * 4, problems
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_trains_on_a_3d_mesh_with_fsdp() -> None:
+    pytest.importorskip("transformers")
+    problems = ok(launch("tests.distributed.ranks_tp:llama_transparency", 8, timeout=400, shape=[2, 2, 2],
+                         names=["dp", "pp", "tp"], runs=[("1f1b", 2, "never")], mode="shard"))
+    assert problems == [[]] * 8, problems
+
+
+@pytest.mark.slow
 def test_mesh_dimensions_may_come_in_any_order() -> None:
     problems = ok(launch("tests.distributed.ranks_tp:transparency", 4, timeout=300, shape=[2, 2],
                          names=["tp", "pp"], runs=[("1f1b", [3, 6], 2, "never")]))

@@ -13,6 +13,21 @@ DTensor (``torch.distributed.tensor.parallel``), each holding its shards.
   of this rank's stages that it names. The whole plan is checked against the
   whole model first: an entry that names no module, a style other than
   DTensor's or the names below, a sharded size that ``tp`` does not divide.
+- A layer made by ``as_sequential`` (a ``TracedLayer``) runs aten operators
+  on its parameters, not modules a style could hook, and its graph holds the
+  model's global sizes (``expand(b, 2, 2, s, 8)`` for the heads). So there
+  the plan names the original model's modules (``model.layers.*.mlp.up_proj``,
+  as Hugging Face's plans do), and a style says only how the module's
+  parameters are split: colwise along the output (an embedding's width),
+  rowwise along the input (an embedding's vocabulary; a bias whole).
+  Everything else is DTensor's: the layer computes on DTensors of global
+  shape, plain tensors count as replicated (``implicit_replication``), and
+  each result of a split parameter that DTensor leaves partial is summed
+  there, as the module styles' output hooks do, so no partial value outlives
+  the operation that made it. The layer's other parameters (its norms')
+  become replicated DTensors. Attention must then be one DTensor can split
+  (``attn_implementation='eager'``: its matrix products and softmax);
+  ``'sequence_parallel'`` and styles with layouts of their own do not apply.
 - A stage's tp ranks compute on the same input, so the first stage's tp
   ranks read the same mini-batch (checked by its size), and only the first
   lane's last stage tells the loss. Every lane runs the same schedule: the
@@ -30,7 +45,7 @@ DTensor (``torch.distributed.tensor.parallel``), each holding its shards.
   anything reduces or reads it, so that every shard holds its own part.
 """
 import fnmatch
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -38,7 +53,7 @@ from torch import nn
 from torchpipe.runtime.step import StageHooks, Step
 
 __all__ = ["TensorParallelPlan", "STYLE_NAMES", "verify_plan", "parallelize_stages", "describe_plan", "replicated",
-           "GradientPlacements"]
+           "GradientPlacements", "action_context", "settled"]
 
 #: A plan: module names (``*`` patterns per name part) to styles, or a function of a stage and the tp mesh.
 TensorParallelPlan = Union[Mapping[str, Any], Callable[[nn.Module, Any], nn.Module]]
@@ -121,11 +136,15 @@ def verify_plan(module: nn.Module, plan: Any, tp: int, ties: Sequence[Any] = ())
             raise ValueError(f"tensor_parallel's keys are module names of the model, got {name!r}")
         styles[name] = style = _style(name, value)
         matched = _matches(module, name)
-        if not matched:
+        traced_matched = _traced_matches(module, name)
+        if not matched and not traced_matched:
             raise ValueError(f"tensor_parallel[{name!r}] names no module of the model (its modules are named "
-                             f"as in named_modules(), e.g. {_examples(module)})")
+                             f"as in named_modules(), e.g. {_examples(module)}; in a layer of as_sequential, "
+                             "as in the original model)")
         for path, sub in matched:
             _check_divisible(path, sub, style, tp)
+        for layer, path, holder in traced_matched:
+            _check_traced(name, layer, path, holder, style, tp)
     for tie in ties:
         split = {h.key: _split_dim(module, h.layer, h.path, h.attribute, styles) for h in tie.holders}
         if len(set(split.values())) > 1:
@@ -184,6 +203,24 @@ def _check_divisible(path: str, module: nn.Module, style: Any, tp: int) -> None:
             )
 
 
+def _check_traced(pattern: str, layer: nn.Module, path: str, holder: nn.Module, style: Any, tp: int) -> None:
+    """Raises ``ValueError`` where a traced layer's module cannot be split as ``style`` says by ``tp``."""
+    kind = _traced_style(pattern, style)
+    weight = holder._parameters.get("weight")
+    if weight is None or weight.dim() != 2:
+        raise ValueError(f"tensor_parallel[{pattern!r}] names {path!r}, which holds no matrix to split (a Linear's "
+                         "or an Embedding's weight)")
+    graphs = [code.graph for code in _codes(layer)]
+    embedding = _used_by(graphs, f"{path}.weight", torch.ops.aten.embedding.default)
+    dim = (1 if kind == "colwise" else 0) if embedding else (0 if kind == "colwise" else 1)
+    if weight.shape[dim] % tp:
+        raise ValueError(
+            f"tensor_parallel[{pattern!r}] splits {path!r} ({'an embedding' if embedding else 'a linear map'} of "
+            f"weight {tuple(weight.shape)}) along its size {weight.shape[dim]}, which tp = {tp} does not divide: "
+            "choose a tp that divides it, or leave the layer whole"
+        )
+
+
 def describe_plan(plan: Any) -> Any:
     """What the ranks compare of a plan (see [Note: ranks agree]): each entry's name and style."""
     if plan is None:
@@ -191,6 +228,27 @@ def describe_plan(plan: Any) -> Any:
     if callable(plan) and not isinstance(plan, Mapping):
         return "a function"
     return {str(name): value if isinstance(value, str) else type(value).__name__ for name, value in plan.items()}
+
+
+def _codes(layer: nn.Module) -> List[Any]:
+    """A traced layer's code per mode (``TracedLayer._codes``)."""
+    return list(cast(Dict[Any, Any], layer.__dict__["_codes"]).values())
+
+
+def _is_traced(layer: nn.Module) -> bool:
+    from torchpipe.sequential.layer import TracedLayer
+
+    return isinstance(layer, TracedLayer)
+
+
+def _traced_matches(module: nn.Module, pattern: str) -> List[Tuple[nn.Module, str, nn.Module]]:
+    """The parameter holders that ``pattern`` names, by the original model's names, in the traced layers of
+    ``module`` (a Sequential or a stage): each with its layer and its name there."""
+    found: List[Tuple[nn.Module, str, nn.Module]] = []
+    for layer in module.children():
+        if _is_traced(layer):
+            found += [(layer, path, sub) for path, sub in _matches(layer, pattern)]
+    return found
 
 
 def parallelize_stages(stages: Sequence[Optional[nn.Sequential]], plan: Any, styles: Optional[Dict[str, Any]],
@@ -221,8 +279,124 @@ def parallelize_stages(stages: Sequence[Optional[nn.Sequential]], plan: Any, sty
         for name, style in styles.items():
             for _, sub in _matches(stage, name):
                 parallelize_module(sub, tp_mesh, style)
+        for layer in stage.children():
+            if _is_traced(layer):
+                _parallelize_traced(layer, styles, tp_mesh)
         result.append(stage)
     return result
+
+
+def action_context(stages: Sequence[Optional[nn.Module]]) -> Optional[Callable[[], Any]]:
+    """What the actions of tensor-parallel ``stages`` run under: DTensor's implicit replication where a stage
+    holds a traced layer (see [Note: tensor parallel stages]), else None."""
+    if not any(_is_traced(layer) for stage in stages if stage is not None for layer in stage.children()):
+        return None
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return cast(Callable[[], Any], implicit_replication)
+
+
+def _traced_style(pattern: str, style: Any) -> str:
+    """``'colwise'`` or ``'rowwise'``: how a style splits a traced layer's parameters (see [Note: tensor parallel
+    stages])."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "rowwise"
+    raise ValueError(
+        f"tensor_parallel[{pattern!r}] is {type(style).__name__}, which splits a module by hooking its calls; a "
+        "layer made by as_sequential calls no modules: give its modules 'colwise', 'rowwise' (or Hugging Face's "
+        "'colwise_gather_output', 'embedding_rowwise'), which split their parameters"
+    )
+
+
+def _parallelize_traced(layer: nn.Module, styles: Mapping[str, Any], mesh: Any) -> None:
+    """Splits the parameters of a traced layer's modules that ``styles`` names, and has the layer sum what DTensor
+    leaves partial after each operation on them (see [Note: tensor parallel stages])."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    graphs = [code.graph for code in _codes(layer)]
+    placed: Dict[str, Any] = {}
+    for pattern, style in styles.items():
+        for path, holder in _matches(layer, pattern):
+            kind = _traced_style(pattern, style)
+            for attr, param in list(holder._parameters.items()):
+                if param is None:
+                    continue
+                target = f"{path}.{attr}"
+                embedding = _used_by(graphs, target, torch.ops.aten.embedding.default)
+                if attr == "bias":
+                    placement = Shard(0) if kind == "colwise" else Replicate()
+                elif param.dim() != 2:
+                    raise ValueError(f"tensor_parallel[{pattern!r}] splits {target}, of {param.dim()} "
+                                     "dimensions; colwise and rowwise split a matrix (a Linear's or an "
+                                     "Embedding's weight)")
+                elif embedding:
+                    placement = Shard(1) if kind == "colwise" else Shard(0)
+                else:
+                    placement = Shard(0) if kind == "colwise" else Shard(1)
+                holder._parameters[attr] = nn.Parameter(distribute_tensor(param.detach(), mesh, [placement]),
+                                                        requires_grad=param.requires_grad)
+                placed[target] = placement
+    # The layer's other parameters (norms) are whole on every tp rank: replicated DTensors, whose gradients
+    # DTensor then places as they are (a plain parameter's would be a DTensor, perhaps partial).
+    for holder in layer.modules():
+        for attr, param in list(holder._parameters.items()):
+            if param is not None and not hasattr(param, "placements"):
+                holder._parameters[attr] = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
+                                                        requires_grad=param.requires_grad)
+    if not placed:
+        return
+    for graph in graphs:
+        users = [user for node in graph.nodes if node.op == "get_attr" and node.target in placed
+                 for user in node.users if user.op == "call_function"]
+        for user in dict.fromkeys(users):
+            _settle_after(graph, user)
+    cast(Any, layer)._make_forward()
+
+
+def _settle_after(graph: Any, node: Any) -> None:
+    """Has every use of ``node`` in ``graph`` take its :func:`settled` value."""
+    with graph.inserting_after(node):
+        summed = graph.call_function(settled, (node,))
+    node.replace_all_uses_with(summed, delete_user_cb=lambda use: use is not summed)
+
+
+def _used_by(graphs: Sequence[Any], target: str, op: Any) -> bool:
+    return any(node.op == "get_attr" and node.target == target and any(u.target is op for u in node.users)
+               for graph in graphs for node in graph.nodes)
+
+
+def settled(value: Any) -> Any:
+    """``value`` with what is partial of it summed (a DTensor's partial placements made replicated); its gradient
+    summed likewise (see :class:`_Settle`)."""
+    placements = getattr(value, "placements", None)
+    if placements is None or not any(p.is_partial() for p in placements):
+        return value
+    return _Settle.apply(value)  # type: ignore[no-untyped-call]
+
+
+def _summed(value: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if p.is_partial() else p for p in value.placements]
+    return value.redistribute(value.device_mesh, placements) if placements != list(value.placements) else value
+
+
+class _Settle(torch.autograd.Function):
+    """A partial DTensor summed, and its gradient too: the gradient of a sum over tp ranks is the whole gradient,
+    which DTensor's backward may hand over partial (the input gradient of a colwise product) where the forward's
+    placement was a partial of another kind (an embedding's masked one), to which it cannot convert."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Any) -> Any:
+        return _summed(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return _summed(grad) if hasattr(grad, "placements") else grad
 
 
 def replicated(param: Any) -> bool:
@@ -239,18 +413,23 @@ def replicated(param: Any) -> bool:
 
 
 class GradientPlacements(StageHooks):
-    """Places each DTensor parameter's gradient as the parameter, after its stage's last backward (see [Note:
-    tensor parallel stages]).
+    """Places each parameter's gradient as the parameter, after its stage's last backward (see [Note: tensor
+    parallel stages]): a DTensor parameter's placed as it is, and a plain one's whole (a traced layer's plain
+    parameter gets a DTensor gradient from the DTensors it met, possibly partial).
 
     Args:
         stages: this rank's stages, by stage index.
     """
 
     def __init__(self, stages: Mapping[int, nn.Module]) -> None:
-        self.params = {s: [p for p in stage.parameters() if hasattr(p, "placements")] for s, stage in stages.items()}
+        self.params = {s: list(stage.parameters()) for s, stage in stages.items()}
 
     def after_last_backward(self, step: Step, stage: int) -> None:
         for param in self.params.get(stage, ()):
             grad = param.grad
-            if grad is not None and hasattr(grad, "placements") and grad.placements != param.placements:
+            if grad is None or not hasattr(grad, "placements"):
+                continue
+            if not hasattr(param, "placements"):
+                param.grad = grad.full_tensor()  # type: ignore[attr-defined]
+            elif grad.placements != param.placements:
                 param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]

@@ -48,6 +48,15 @@ _BACKWARDS = (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 
 def run(step: Step, action: Action) -> None:
     """Runs ``action`` of ``step`` on the calling thread, under its device, stream and labels."""
+    context = step.stages.action_context
+    if context is not None:
+        with context():
+            _run_with_loss(step, action)
+        return
+    _run_with_loss(step, action)
+
+
+def _run_with_loss(step: Step, action: Action) -> None:
     s, kind = action.stage, action.kind
     if step.loss is not None and step.loss.parallel and kind in _BACKWARDS and s + 1 == step.stages.count:
         with step.loss.backward_context():  # a loss_parallel() loss: its backward too

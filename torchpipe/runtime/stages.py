@@ -9,7 +9,7 @@ settings apply, and made anew in a process forked from ours (see [Note: fork]).
 """
 import itertools
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +63,9 @@ class Stages:
         self.shared_locks: List[List[threading.Lock]] = [[] for _ in self.modules]
         #: Per tied parameter with copies on several devices of this process: the copies.
         self.tied_copies: List[List[nn.Parameter]] = []
+        #: What every action of a stage runs under (None: nothing), such as DTensor's implicit replication for
+        #: a tensor-parallel stage of traced layers (see [Note: tensor parallel stages]).
+        self.action_context: Optional[Callable[[], ContextManager[Any]]] = None
         self._shared: List[List[int]] = []
         self._workers: Optional[WorkerGroup] = None
         self._copy_streams: Optional[List[AbstractStream]] = None
