@@ -14,7 +14,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torchpipe-installed
 
-.PHONY: run run-distributed run-resume run-mesh run-lm run-lm-distributed test lint typecheck unit unit-kernels bench gpu-check docs clean
+.PHONY: run run-distributed run-resume run-mesh run-lm run-lm-distributed run-3d test lint typecheck unit unit-kernels bench gpu-check docs clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,6 +57,13 @@ run-lm-distributed: $(STAMP)
 # (add ARGS="--data-parallel shard" for FSDP2 shards): see docs/distributed.md.
 run-mesh: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/train_distributed.py --dp 2 $(ARGS)
+
+# Pipeline x tensor parallel: a Llama (transformers, its own tensor-parallel plan) trained byte by byte on a
+# (pp, tp) = (2, 2) mesh, 4 processes; ARGS="--dp 2" for (dp, pp, tp) = (2, 2, 2), 8 processes (add
+# --data-parallel shard for FSDP2 on top of the tp shards): see docs/distributed.md.
+run-3d: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(if $(findstring --dp 2,$(ARGS)),8,4) \
+		examples/train_lm.py --distributed --model llama --tp 2 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check torchpipe torchpipe_balancing tests benchmarks examples

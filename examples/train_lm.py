@@ -35,6 +35,13 @@ GPU each when there are enough). Across processes, one stage per rank::
     python examples/train_lm.py                      # make run-lm
     torchrun --standalone --nproc-per-node 2 examples/train_lm.py --distributed   # make run-lm-distributed
 
+On a 3-D mesh, ``--tp`` ranks split each stage with tensor parallelism (a
+Llama, ``--model llama``, by its own plan, ``model._tp_plan``) and ``--dp``
+replicas train on their own windows; the pipeline gets the ranks left::
+
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py --distributed --model llama --tp 2   # make run-3d
+    torchrun --standalone --nproc-per-node 8 examples/train_lm.py --distributed --model llama --tp 2 --dp 2
+
 Every rank reads the same files and builds the same model from the same
 seed; the first stage's rank feeds the token ids, the last stage's rank the
 targets, and rank 0 prints. Two runs with the same flags and ``--seed``
@@ -49,7 +56,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -99,21 +106,32 @@ def windows(text: Tensor, count: int, length: int, generator: torch.Generator) -
 # --- the model ---------------------------------------------------------------------------------------
 
 
-def language_model(args: argparse.Namespace) -> nn.Sequential:
-    """A GPT-2 with tied embedding and head, random weights from ``--seed``, made into a Sequential."""
+def language_model(args: argparse.Namespace) -> Tuple[nn.Sequential, Dict[str, str]]:
+    """A GPT-2 (or a Llama) with tied embedding and head, random weights from ``--seed``, made into a Sequential;
+    with the model's own tensor-parallel plan (a Llama's: GPT-2 has none)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=args.length, n_embd=args.width, n_layer=args.layers, n_head=args.heads,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
-    )
     torch.manual_seed(args.seed)
-    model = transformers.GPT2LMHeadModel(config)
-    assert model.lm_head.weight is model.transformer.wte.weight
+    if args.model == "llama":
+        # Eager attention: its matrix products and softmax are what DTensor splits by heads (see
+        # docs/distributed.md, "Tensor parallel inside stages").
+        model: nn.Module = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=args.width, intermediate_size=4 * args.width, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.length,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True, attn_implementation="eager",
+        ))
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=args.length, n_embd=args.width, n_layer=args.layers, n_head=args.heads,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
+        ))
+        assert model.lm_head.weight is model.transformer.wte.weight
     example = torch.zeros(2, args.length, dtype=torch.long)
     # use_cache=False: a cache is of no use in training. The Sequential takes token ids and returns logits.
-    return torchpipe.as_sequential(model, input_ids=example, use_cache=False, output="logits")
+    seq = torchpipe.as_sequential(model, input_ids=example, use_cache=False, output="logits")
+    return seq, dict(getattr(model, "_tp_plan", None) or {})
 
 
 def next_token_loss(logits: Tensor, ids: Tensor) -> Tensor:
@@ -148,6 +166,9 @@ class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.distributed = bool(args.distributed)
+        #: With --tp or --dp: the (dp, pp, tp) mesh, and this rank's replica and stage position on it.
+        self.mesh: Any = None
+        self.replica, self.replicas = 0, 1
         if self.distributed:
             cuda = torch.cuda.is_available()
             # torch's init_process_group on a store prefix of this torchrun attempt's own: a restarted job does not
@@ -161,7 +182,17 @@ class Run:
             if not cuda:  # each rank its share of the host's cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                                           self.world))))
-            stages = self.world * (2 if args.schedule == "interleaved_1f1b" else 1)
+            pipelines = self.world
+            if args.tp > 1 or args.dp > 1:
+                if self.world % (args.tp * args.dp):
+                    raise SystemExit(f"--tp {args.tp} x --dp {args.dp} must divide the {self.world} ranks")
+                from torch.distributed.device_mesh import init_device_mesh
+
+                pipelines = self.world // (args.tp * args.dp)
+                self.mesh = init_device_mesh("cuda" if cuda else "cpu", (args.dp, pipelines, args.tp),
+                                             mesh_dim_names=("dp", "pp", "tp"))
+                self.replica, self.replicas = self.mesh.get_local_rank("dp"), args.dp
+            stages = pipelines * (2 if args.schedule == "interleaved_1f1b" else 1)
             devices = None
         else:
             self.rank, self.world = 0, 1
@@ -185,20 +216,31 @@ class Run:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def build(self, seq: nn.Sequential, balance: List[int]) -> torchpipe.Pipeline:
+    def build(self, seq: nn.Sequential, balance: List[int], plan: Dict[str, str]) -> torchpipe.Pipeline:
         args = self.args
+        on_mesh: Dict[str, Any] = {}
+        if self.mesh is not None:
+            on_mesh = dict(mesh=self.mesh, data_parallel=args.data_parallel if args.dp > 1 else None,
+                           tensor_parallel=plan if args.tp > 1 else None)
+        elif self.distributed:
+            on_mesh = dict(group=dist.group.WORLD)
         pipe = torchpipe.Pipeline(seq, balance, chunks=args.chunks, schedule=args.schedule, loss_fn=next_token_loss,
-                                  checkpoint=args.checkpoint, devices=self.devices,
-                                  group=dist.group.WORLD if self.distributed else None)
+                                  checkpoint=args.checkpoint, devices=self.devices, **on_mesh)
         workers = pipe.schedule.stage_workers
         self.first, self.last = workers[0], workers[-1]
+        # Where this rank is in its pipeline, and the global rank that tells the last stage's logits.
+        self.position = self.rank if self.mesh is None else self.mesh.get_local_rank("pp")
+        self.teller = self.last if self.mesh is None else int(self.mesh.mesh[0, self.last, 0])
         return pipe
 
     def inputs(self, ids: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        """What this rank passes to ``step``: the ids on the first stage's rank, the targets on the last's."""
+        """What this rank passes to ``step``: the ids on the first stage's rank, the targets on the last's (with
+        replicas, each replica its share of ``ids``)."""
         if not self.distributed:
             return ids, ids
-        return (ids if self.rank == self.first else None), (ids if self.rank == self.last else None)
+        if self.replicas > 1:
+            ids = ids.chunk(self.replicas)[self.replica]
+        return (ids if self.position == self.first else None), (ids if self.position == self.last else None)
 
     def broadcast_from_last(self, tensor: Tensor) -> Tensor:
         """The last stage's rank's ``tensor`` on every rank (on the CPU).
@@ -211,12 +253,12 @@ class Run:
         if not self.distributed:
             return tensor
         tensor = tensor.to(self.device)
-        if self.rank == self.last:
+        if self.rank == self.teller:
             for rank in range(self.world):
                 if rank != self.rank:
                     dist.send(tensor, rank)
         else:
-            dist.recv(tensor, self.last)
+            dist.recv(tensor, self.teller)
         return tensor.cpu()
 
 
@@ -239,7 +281,9 @@ def continue_text(run: Run, pipe: torchpipe.Pipeline, prompt: bytes, count: int,
     try:
         for _ in range(count):
             window = ids[:, -context:]  # the model has `context` positions
-            logits = pipe(window if run.rank == run.first else None)  # on the last stage's rank, else None
+            logits = pipe(window if run.position == run.first else None)  # on the last stage's rank, else None
+            if logits is not None and hasattr(logits, "full_tensor"):  # split over the tp ranks: made whole
+                logits = logits.full_tensor()
             following = torch.zeros(1, 1, dtype=torch.long)
             if logits is not None:
                 last = logits[:, -1].float().cpu()
@@ -259,11 +303,13 @@ def save_timeline(run: Run, pipe: torchpipe.Pipeline, ids: Tensor, path: Path) -
         pipe.step(*run.inputs(ids))
     pipe.zero_grad()
     merged = pipe.gather_timeline(timeline)  # a collective: every rank calls it; rank 0 gets the whole
-    if merged is None:
+    if merged is None or run.rank != 0:  # on a mesh, each pipeline's first rank has its own: rank 0 writes
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     merged.save_chrome_trace(path.with_suffix(".json"))
-    if run.distributed:
+    if run.mesh is not None:
+        where = f"{run.world} ranks, (dp, pp, tp) = {tuple(run.mesh.shape)}: rank 0's pipeline"
+    elif run.distributed:
         where = f"{run.world} ranks"
     else:
         where = f"{len(set(pipe.devices))} GPUs" if pipe.devices[0].type == "cuda" else f"{run.stages} CPU workers"
@@ -299,6 +345,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timeline", type=Path, default=Path("out/timeline-lm.png"),
                         help="the PNG of one step's timeline ('' : none)")
     parser.add_argument("--distributed", action="store_true", help="one stage per rank (launch with torchrun)")
+    parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
+    parser.add_argument("--tp", type=int, default=1, help="with --distributed: tensor-parallel ranks per stage "
+                                                          "(--model llama: its own plan)")
+    parser.add_argument("--dp", type=int, default=1, help="with --distributed: data-parallel replicas")
+    parser.add_argument("--data-parallel", default="replicate", choices=["replicate", "shard"])
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save every --every steps here, and resume from the newest complete checkpoint")
     parser.add_argument("--every", type=int, default=50, help="with --checkpoint-dir: steps between checkpoints")
@@ -313,26 +364,33 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     if not args.prompt:
         parser.error("--prompt must not be empty")
+    if args.tp < 1 or args.dp < 1:
+        parser.error("--tp and --dp must be at least 1")
+    if (args.tp > 1 or args.dp > 1) and not args.distributed:
+        parser.error("--tp and --dp split the ranks of a job: add --distributed (and launch with torchrun)")
+    if args.tp > 1 and args.model != "llama":
+        parser.error("--tp needs --model llama: a model's own tensor-parallel plan splits it, and GPT-2 has none")
     return args
 
 
 def main(argv: Sequence[str]) -> None:
     args = parse_args(argv)
     run = Run(args)
-    start = time.perf_counter()
+    began = time.perf_counter()
     train_text, held_out_text = corpus()
     generator = torch.Generator().manual_seed(args.seed)
     held_out = [windows(held_out_text, args.batch, args.length, generator) for _ in range(args.eval_batches)]
     run.print(f"data: {len(train_text) / 1e6:.1f} MB of Python (the standard library's {len(stdlib_files())} "
               f"top-level files), {len(held_out_text) / 1e6:.2f} MB of them held out; windows of {args.length} bytes")
 
-    seq = language_model(args)
+    seq, plan = language_model(args)
     parameters = {id(p): p.numel() for p in seq.parameters()}  # the tied weight once
     balance = run.agree(find_balance(args, seq, run.stages, held_out[0]) if run.rank == 0 else None)
-    run.print(f"model: GPT-2, {args.layers} blocks, width {args.width}, {sum(parameters.values()) / 1e6:.2f}M "
+    kind = "Llama" if args.model == "llama" else "GPT-2"
+    run.print(f"model: {kind}, {args.layers} blocks, width {args.width}, {sum(parameters.values()) / 1e6:.2f}M "
               f"parameters, embedding and head tied; as_sequential: {len(seq)} layers in "
-              f"{time.perf_counter() - start:.0f} s")
-    pipe = run.build(seq, balance)
+              f"{time.perf_counter() - began:.0f} s")
+    pipe = run.build(seq, balance, plan)
     names = [str(getattr(layer, "name", k)) for k, layer in enumerate(seq)]
     cuts = [sum(balance[:s]) for s in range(len(balance))]
     where = (f"ranks {list(pipe.schedule.stage_workers)}" if run.distributed else [str(d) for d in pipe.devices])
@@ -362,7 +420,7 @@ def main(argv: Sequence[str]) -> None:
     train = time.perf_counter()
     recent: List[float] = []
     for step in range(start + 1, args.steps + 1):
-        ids = windows(train_text, args.batch, args.length, generator)
+        ids = windows(train_text, args.batch * run.replicas, args.length, generator)  # each replica its share
         recent.append(pipe.step(*run.inputs(ids)).item())
         if args.clip > 0:  # by the whole model's norm, the tied weight counted once: a collective across ranks
             pipe.clip_grad_norm_(args.clip)
@@ -374,19 +432,21 @@ def main(argv: Sequence[str]) -> None:
         if step % args.print_every == 0 or step == args.steps:
             seconds = time.perf_counter() - train
             run.print(f"step {step:4d}/{args.steps}: loss {sum(recent) / len(recent):.3f}  "
-                      f"({(step - start) * args.batch * args.length / seconds:.0f} tokens/s, {seconds:.0f} s)")
+                      f"({(step - start) * args.batch * run.replicas * args.length / seconds:.0f} tokens/s, "
+                      f"{seconds:.0f} s)")
             recent = []
     if ckpt is not None:
         ckpt.close()
     seconds = time.perf_counter() - train
+    tokens = (args.steps - start) * args.batch * run.replicas * args.length
     run.print(f"held-out loss after {args.steps} steps: {evaluate(run, pipe, held_out):.3f}; trained in "
-              f"{seconds:.0f} s ({(args.steps - start) * args.batch * args.length / max(seconds, 1e-9):.0f} tokens/s)")
+              f"{seconds:.0f} s ({tokens / max(seconds, 1e-9):.0f} tokens/s)")
     text = continue_text(run, pipe, args.prompt.encode(), args.generate, args.length, args.temperature, args.seed)
     how = f"sampled at temperature {args.temperature}" if args.temperature > 0 else "greedy"
     run.print(f"continuation of {args.prompt!r} ({how}):\n{(args.prompt.encode() + text).decode(errors='replace')}")
     if str(args.timeline) not in ("", "."):
         save_timeline(run, pipe, windows(train_text, args.batch, args.length, generator), args.timeline)
-    run.print(f"done in {time.perf_counter() - start:.0f} s")
+    run.print(f"done in {time.perf_counter() - began:.0f} s")
     if run.distributed:
         dist.destroy_process_group()
 

@@ -77,6 +77,30 @@ def test_the_language_model_example_trains_under_torchrun(tmp_path: Path) -> Non
     assert all(abs(a - b) < 0.02 for a, b in zip(losses, alone)), (losses, alone)
 
 
+@pytest.mark.slow
+def test_the_language_model_example_trains_on_a_pp_x_tp_mesh(tmp_path: Path) -> None:
+    # make run-3d: a Llama by its own tensor-parallel plan on (pp, tp) = (2, 2), 4 processes. A stage's tp ranks
+    # compute what one rank would (up to the rounding of sums over shards): the losses of the 2-rank pipeline.
+    from tests.distributed.launch import free_port
+
+    def torchrun(ranks: int, *flags: str) -> str:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE), "--distributed", "--model", "llama",
+            *TINY, "--timeline", "", *flags,
+        ]
+        done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=400,
+                              start_new_session=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    split = torchrun(4, "--tp", "2")
+    assert "model: Llama" in split and split.count("held-out loss before training") == 1, "only rank 0 prints"
+    losses = check_the_loss_fell(split)
+    whole = check_the_loss_fell(torchrun(2))
+    assert all(abs(a - b) < 0.01 for a, b in zip(losses, whole)), (losses, whole)
+
+
 def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
@@ -84,7 +108,9 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     finally:
         sys.path.remove(str(EXAMPLE.parent))
     for flags, message in [(["--chunks", "0"], "--chunks must be at least 1"),
-                           (["--width", "30", "--heads", "4"], "multiple of --heads")]:
+                           (["--width", "30", "--heads", "4"], "multiple of --heads"),
+                           (["--tp", "2"], "add --distributed"),
+                           (["--distributed", "--tp", "2"], "--tp needs --model llama")]:
         with pytest.raises(SystemExit) as exit:
             train_lm.parse_args(flags)
         assert exit.value.code == 2 and message in capsys.readouterr().err
