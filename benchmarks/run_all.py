@@ -98,6 +98,7 @@ BENCHMARKS: List[Benchmark] = [
     }),
     Benchmark("mesh", {"small": ["--rounds", "5"], "paper": [], "tiny": ["--quick", "--models", "wide"]},
               common=["--quiet"]),
+    Benchmark("tensor_parallel", {"small": ["--rounds", "9"], "paper": [], "tiny": ["--quick"]}),
     Benchmark("language_model", {
         "small": [], "paper": [],
         "tiny": ["--rounds", "1", "--layers", "1", "--width", "16", "--batch", "2", "--length", "4"],
