@@ -384,7 +384,7 @@ SPLIT_BACKWARD_ROUNDS = 20
 def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: Tensor, loss: float,
                   grads: Mapping[str, Tensor]) -> Step:
     """A two-worker Pipeline of ``name`` checked against the plain module's loss and gradients, and its step."""
-    from torchpipe.runtime.tune import TUNING_STEPS
+    from torchpipe.schedule.split import TUNING_STEPS
 
     stages = 2 * STAGES_PER_WORKER.get(name, 1)
     pipe = torchpipe.Pipeline(copy.deepcopy(module), models.even_balance(len(module), stages), chunks=CHUNKS,

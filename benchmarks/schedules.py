@@ -67,8 +67,8 @@ from benchmarks.harness.steps import (  # noqa: E402
 )
 from benchmarks.harness.timing import Variant, at_once, median_ratio, round_robin  # noqa: E402
 from torchpipe import trace  # noqa: E402
-from torchpipe.runtime.tune import TUNING_STEPS  # noqa: E402
 from torchpipe.schedule import Kind, Schedule, simulate  # noqa: E402
+from torchpipe.schedule.split import TUNING_STEPS  # noqa: E402
 
 #: (name, schedule, stages); two workers each.
 CONFIGS: List[Tuple[str, str, int]] = [

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 import torchpipe
 from tests.models import DEVICES, Pop, RaisesInBackward, Stash, UseMask, WithMask
 from torchpipe import Pipeline, trace
-from torchpipe.runtime.tune import TRIAL_STEPS, SplitTuner
 from torchpipe.schedule import Kind, Schedule
+from torchpipe.schedule.split import TRIAL_STEPS, SplitTuner
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 MODES = ["never", "always", "except_last"]
@@ -465,7 +465,7 @@ def test_zero_bubble_places_its_split_from_measured_costs_and_stays_transparent(
     # Issue 18: zero_bubble was slower than 1f1b on CPU, where I and W together cost more than B. Its first
     # step now runs whole backwards, its second split ones, each measured; then each stage splits only where
     # that shortens the simulated step. Every step's loss and gradients are the plain module's.
-    from torchpipe.runtime.tune import TUNING_STEPS
+    from torchpipe.schedule.split import TUNING_STEPS
 
     model = model_for(6, width=32)
     plain = copy.deepcopy(model)
@@ -534,7 +534,7 @@ def test_a_split_the_costs_chose_stays_only_if_its_steps_are_faster_than_1f1b() 
     # in the simulation), and the steps then took up to 12% longer than 1F1B's: split graphs live longer, and
     # a thread's CPU time misses its waits for the GIL. The split the costs choose is now tried against 1F1B on
     # the next steps, in turn, and stays only if its steps are faster by TRIAL_MARGIN.
-    from torchpipe.runtime.tune import TRIAL_MARGIN
+    from torchpipe.schedule.split import TRIAL_MARGIN
 
     kept = _tried(candidate_seconds=1.0, none_seconds=1.1)
     assert kept.split == kept.candidate

@@ -13,19 +13,13 @@ from torchpipe import microbatch, trace
 from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.clip import Exchange
 from torchpipe.compiling import CompileOptions, compile_layers, compile_options
+from torchpipe.distributed import tensor_parallel as parallelism
 from torchpipe.distributed.agree import verify_agreement
 from torchpipe.distributed.backend import DistributedBackend
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
-from torchpipe.distributed.tensor_parallel import (
-    TensorParallelPlan,
-    action_context,
-    describe_plan,
-    parallelize_stages,
-    replicated,
-    verify_plan,
-)
+from torchpipe.distributed.tensor_parallel import TensorParallelPlan
 from torchpipe.partition import (
     cut,
     place,
@@ -39,11 +33,11 @@ from torchpipe.runtime.backend import Backend
 from torchpipe.runtime.local import LocalBackend
 from torchpipe.runtime.loss import LossSpec, without_backward
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
-from torchpipe.runtime.tune import SplitTuner
 from torchpipe.schedule import SPLITTING, Schedule
 from torchpipe.schedule.auto import AutoTuner
 from torchpipe.schedule.measured import Timings, Tuner
 from torchpipe.schedule.resolve import ScheduleLike, resolve
+from torchpipe.schedule.split import SplitTuner
 from torchpipe.skip.layout import inspect_skip_layout, verify_skippables
 from torchpipe.state_dict import PlainKeys
 from torchpipe.types import Device, TensorOrTensors
@@ -195,7 +189,7 @@ class Pipeline(Pipelined):
         on_mesh = parse_mesh(mesh, data_parallel, group, tensor_parallel)
         styles = None
         if on_mesh is not None and on_mesh.tp_mesh is not None:
-            styles = verify_plan(module, tensor_parallel, on_mesh.lanes, find_ties(module, balance))
+            styles = parallelism.verify_plan(module, tensor_parallel, on_mesh.lanes, find_ties(module, balance))
         if on_mesh is not None:
             group = on_mesh.pipeline
         ranks = None
@@ -241,7 +235,7 @@ class Pipeline(Pipelined):
                 "loss_weight": "a function" if loss_weight is not None else None,
                 "deferred_batch_norm": deferred_batch_norm,
                 "data_parallel": None if on_mesh is None else on_mesh.mode,
-                "tensor_parallel": describe_plan(tensor_parallel),
+                "tensor_parallel": parallelism.describe_plan(tensor_parallel),
             })
             if self._channel.size != workers:
                 raise ValueError(
@@ -272,7 +266,7 @@ class Pipeline(Pipelined):
         ]
         del all_stages
         if on_mesh is not None and on_mesh.tp_mesh is not None:  # see [Note: tensor parallel stages]
-            stages = parallelize_stages(stages, tensor_parallel, styles, on_mesh.tp_mesh)
+            stages = parallelism.parallelize_stages(stages, tensor_parallel, styles, on_mesh.tp_mesh)
         copies = retie(stages, ties)
         if compiled is not None:  # each layer of this rank's stages, in place: the keys stay the module's
             for stage in stages:
@@ -294,7 +288,7 @@ class Pipeline(Pipelined):
         )
         placed.share(shared_stages(stages, ties))
         if on_mesh is not None and on_mesh.tp_mesh is not None:
-            placed.action_context = action_context(stages)
+            placed.action_context = parallelism.action_context(stages)
         self._runner = Runner(placed, schedule_for)
         #: Where the steps run: this process, or this rank of several (one code path for both from here on).
         self._backend: Backend
@@ -427,7 +421,7 @@ class Pipeline(Pipelined):
         if channel is not None and channel.replicas > 1 and self.data_parallel == "replicate" and channel.replica:
             return []
         if channel is not None and channel.lane:
-            params = [p for p in params if not replicated(p)]
+            params = [p for p in params if not parallelism.replicated(p)]
         copies = set()
         for tie in self._ties:
             held = [(h, stage) for stage in self._stages if stage is not None

@@ -76,7 +76,7 @@ def zero_bubble_placement(rank: int, world: int) -> Dict[str, Any]:
     """A zero-bubble pipeline through its measured steps and its trial, to its placement: every step's loss and
     gradients, and the placement each rank decided. Every stage starts with a Linear, so each runs on the leaves
     of the message it receives (no alias: see takes_leaves)."""
-    from torchpipe.runtime.tune import TUNING_STEPS
+    from torchpipe.schedule.split import TUNING_STEPS
 
     torch.manual_seed(2)
     model = nn.Sequential(*[layer for _ in range(world) for layer in (nn.Linear(6, 6), nn.Tanh())])

@@ -359,3 +359,27 @@ def llama_transparency(rank: int, world: int, shape: Sequence[int], names: Seque
             if key in state and not torch.allclose(state[key], value, rtol=1e-5, atol=1e-7):
                 problems.append(f"{schedule}: {key} drifted from the plain model's")
     return problems
+
+
+def checkpointer(rank: int, world: int, path: str) -> Dict[str, Any]:
+    """torchpipe.Checkpointer on a (pp, tp) mesh: saved at step 2, restored into a pipeline of other weights;
+    returns this rank's values after training on, and after the restore."""
+    import torchpipe
+
+    pipe, replica, first, last = _layout("pp2-tp2", rank)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    ckpt = torchpipe.Checkpointer(path, pipe, optimizer, every=2, keep=1)
+    for step in (1, 2):
+        _train(pipe, optimizer, replica, first, last, [step])
+        ckpt.step(step)
+    ckpt.close()
+    saved = _local_state(pipe, optimizer)
+    torch.manual_seed(7)
+    other, replica, first, last = _layout("pp2-tp2", rank)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(1.0)  # nothing of the saved values
+    optimizer = torch.optim.Adam(other.parameters(), lr=0.05)
+    _train(other, optimizer, replica, first, last, [5])  # Adam's state exists: overwritten by the restore
+    start = torchpipe.Checkpointer(path, other, optimizer, every=2, keep=1).restore()
+    return {"start": start, "saved": saved, "restored": _local_state(other, optimizer)}

@@ -124,6 +124,16 @@ def test_a_dcp_checkpoint_moves_between_tensor_parallel_layouts(tmp_path: Path, 
 
 
 @pytest.mark.slow
+def test_a_checkpointer_on_a_pp_x_tp_mesh_restores_what_it_saved(tmp_path: Path) -> None:
+    results = ok(launch("tests.distributed.ranks_tp:checkpointer", 4, timeout=300, path=str(tmp_path / "ckpt")))
+    for rank, result in enumerate(results):
+        assert result["start"] == 2, result["start"]
+        assert result["saved"].keys() == result["restored"].keys()
+        for key, value in result["saved"].items():
+            assert torch.equal(value, result["restored"][key]), f"rank {rank}: {key}"
+
+
+@pytest.mark.slow
 def test_full_state_dict_on_a_3d_mesh_is_whole_on_global_rank_0() -> None:
     results = ok(launch("tests.distributed.ranks_tp:full_state", 8, timeout=300, layout="dp2-pp2-tp2-shard"))
     plain = ranks_tp.model()

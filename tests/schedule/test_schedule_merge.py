@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 import torchpipe.schedule.merge
 from tests.test_pipeline import model_for
 from torchpipe import Pipeline, trace
-from torchpipe.runtime.tune import SplitTuner
 from torchpipe.schedule import (
     DEFAULT_COSTS,
     Action,
@@ -35,6 +34,7 @@ from torchpipe.schedule import (
     zbv,
     zero_bubble,
 )
+from torchpipe.schedule.split import SplitTuner
 
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 #: The zero-bubble paper's costs, the simulation's default: the whole backward costs its two halves.

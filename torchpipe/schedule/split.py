@@ -33,8 +33,10 @@ bits; ``pipe.schedule`` shows the split in use.
 import statistics
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from torchpipe.schedule import Kind, Schedule, choose_split, merge_backwards, zero_bubble
+from torchpipe.schedule.actions import Kind, Schedule
+from torchpipe.schedule.generate import choose_split, zero_bubble
 from torchpipe.schedule.measured import Exchange, Measurements, Timings, exchanged
+from torchpipe.schedule.merge import merge_backwards
 
 __all__ = ["SplitTuner", "Timings", "TRIAL_STEPS", "TRIAL_MARGIN", "TUNING_STEPS"]
 
