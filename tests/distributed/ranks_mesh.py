@@ -281,9 +281,6 @@ def dcp_save(rank: int, world: int, path: str, layout: str, background: bool = F
 
 def dcp_load(rank: int, world: int, path: str, layout: str) -> Dict[str, Tensor]:
     """Loads the checkpoint into a fresh pipeline of ``layout`` (and Adam); returns this rank's values."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
     torch.manual_seed(123)
     model = tied_lm(layers=4)
     with torch.no_grad():
@@ -297,13 +294,21 @@ def dcp_load(rank: int, world: int, path: str, layout: str) -> Dict[str, Tensor]
     pipe.step(x if position in (0, -1) else None, y if position in (stages - 1, -1) else None)
     optimizer.step()
     optimizer.zero_grad()
+    load_checkpoint(pipe, optimizer, path)
+    return _local_state(pipe, optimizer)
+
+
+def load_checkpoint(pipe: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Loads the DCP checkpoint at ``path`` into ``pipe`` and ``optimizer`` (flattened optimizer state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     model_state, optim_state = get_state_dict(pipe, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(pipe, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
-    return _local_state(pipe, optimizer)
 
 
 def full_state_on_a_mesh(rank: int, world: int, mode: str) -> Dict[str, Any]:

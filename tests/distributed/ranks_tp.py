@@ -88,6 +88,13 @@ def _mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
     return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
 
 
+def _where(shape: Sequence[int], names: Sequence[str]) -> Tuple[Any, Dict[str, int], int, int]:
+    """The mesh, its sizes by name, and this rank's replica and stage position on it."""
+    mesh = _mesh(shape, names)
+    dims = dict(zip(names, shape))
+    return mesh, dims, mesh.get_local_rank("dp") if "dp" in dims else 0, mesh.get_local_rank("pp")
+
+
 def _full(tensor: Tensor) -> Tensor:
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
@@ -110,11 +117,8 @@ def transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[st
     """Per run (schedule, balance, chunks, checkpoint): two training steps whose replicas' batches differ in size
     (uneven micro-batches) against the plain module on all of them: the loss on every rank, every gradient,
     the clipped gradients and the norm (2, then inf), and the parameters after an SGD step."""
-    mesh = _mesh(shape, names)
-    dims = dict(zip(names, shape))
+    mesh, dims, replica, position = _where(shape, names)
     dp = dims.get("dp", 1)
-    replica = mesh.get_local_rank("dp") if "dp" in dims else 0
-    position = mesh.get_local_rank("pp")
     problems: List[str] = []
     for schedule, balance, chunks, checkpoint in runs:
         layers = model()
@@ -141,15 +145,22 @@ def transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[st
             if not torch.allclose(norm, expected_norm, rtol=1e-9):
                 problems.append(f"{case}: norm {norm.item()} != {expected_norm.item()} ({norm_type})")
             _compare(f"{case} clipped", pipe, plain, problems)
-            optimizer.step()
-            reference.step()
-            optimizer.zero_grad()
-            reference.zero_grad()
-        state = {key: _full(value) for key, value in pipe.state_dict().items()}
-        for key, value in plain.state_dict().items():
-            if key in state and not torch.allclose(state[key], value, rtol=1e-9):
-                problems.append(f"{schedule} {list(balance)}: {key} drifted from the plain module's")
+            _update(optimizer, reference)
+        problems += _drifted(f"{schedule} {list(balance)}", pipe, plain, rtol=1e-9, atol=0.0)
     return problems
+
+
+def _update(*optimizers: torch.optim.Optimizer) -> None:
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _drifted(case: str, pipe: Pipeline, plain: nn.Module, rtol: float, atol: float) -> List[str]:
+    """The plain module's values this rank holds, made whole, that its pipeline's no longer equal."""
+    state = {key: _full(value) for key, value in pipe.state_dict().items()}
+    return [f"{case}: {key} drifted from the plain module's" for key, value in plain.state_dict().items()
+            if key in state and not torch.allclose(state[key], value, rtol=rtol, atol=atol)]
 
 
 def bad_arguments(rank: int, world: int) -> Dict[str, str]:
@@ -241,18 +252,12 @@ def dcp_save(rank: int, world: int, path: str, layout: str) -> Dict[str, Tensor]
 
 def dcp_load(rank: int, world: int, path: str, layout: str) -> Dict[str, Tensor]:
     """Loads the checkpoint into a fresh pipeline of ``layout`` (and Adam); returns this rank's values."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from tests.distributed.ranks_mesh import load_checkpoint
 
     pipe, replica, first, last = _layout(layout, rank)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=0.05)
     _train(pipe, optimizer, replica, first, last, [99])  # Adam's state exists after a step: overwritten below
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    model_state, optim_state = get_state_dict(pipe, optimizer, options=options)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(pipe, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=options)
+    load_checkpoint(pipe, optimizer, path)
     return _local_state(pipe, optimizer)
 
 
@@ -311,11 +316,8 @@ def llama_transparency(rank: int, world: int, shape: Sequence[int], names: Seque
     gradient, the clipped norm and the parameters after an SGD step."""
     import torchpipe
 
-    mesh = _mesh(shape, names)
-    dims = dict(zip(names, shape))
+    mesh, dims, replica, position = _where(shape, names)
     dp = dims.get("dp", 1)
-    replica = mesh.get_local_rank("dp") if "dp" in dims else 0
-    position = mesh.get_local_rank("pp")
     problems: List[str] = []
     for schedule, chunks, checkpoint in runs:
         original = llama()
@@ -350,14 +352,8 @@ def llama_transparency(rank: int, world: int, shape: Sequence[int], names: Seque
             expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
             if not torch.allclose(norm, expected_norm, rtol=1e-6):
                 problems.append(f"{case}: norm {norm.item()} != {expected_norm.item()}")
-            optimizer.step()
-            reference.step()
-            optimizer.zero_grad()
-            reference.zero_grad()
-        state = {key: _full(value) for key, value in pipe.state_dict().items()}
-        for key, value in plain.state_dict().items():
-            if key in state and not torch.allclose(state[key], value, rtol=1e-5, atol=1e-7):
-                problems.append(f"{schedule}: {key} drifted from the plain model's")
+            _update(optimizer, reference)
+        problems += _drifted(schedule, pipe, plain, rtol=1e-5, atol=1e-7)
     return problems
 
 
