@@ -186,3 +186,22 @@ def test_a_size_that_tp_does_not_divide_names_the_layer_its_size_and_tp() -> Non
 def test_a_plan_that_is_neither_a_dict_nor_a_function_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="tensor_parallel must be a dict"):
         verify_plan(ranks_tp.model(), ["colwise"], 2)
+
+
+def test_a_traced_models_tied_weight_split_two_ways_is_a_value_error() -> None:
+    # Llama's embedding and head are one weight: 'embedding_rowwise' and 'colwise_gather_output' both split its
+    # vocabulary; a head split 'rowwise' would split the same weight along its width, whose shards' gradients
+    # could not be summed across the two stages.
+    pytest.importorskip("transformers")
+    import torchpipe
+
+    model = ranks_tp.llama()
+    seq = torchpipe.as_sequential(model, input_ids=torch.randint(1, 96, (2, 8)), output="logits", use_cache=False)
+    ties = find_ties(seq, [11, len(seq) - 11])
+    assert verify_plan(seq, model._tp_plan, 2, ties) is not None
+    with pytest.raises(ValueError, match=r"0\.model\.embed_tokens\.weight split along dimension 0, "
+                                         r"20\.lm_head\.weight split along dimension 1"):
+        verify_plan(seq, {**model._tp_plan, "lm_head": "rowwise"}, 2, ties)
+    with pytest.raises(ValueError, match=r"tensor_parallel\['model.norm'\] names 'model.norm', which holds no "
+                                         "matrix"):
+        verify_plan(seq, {**model._tp_plan, "model.norm": "colwise"}, 2, ties)

@@ -164,6 +164,15 @@ def _split_dim(module: nn.Module, layer: str, path: str, attribute: str, styles:
     name = ".".join(part for part in (layer, path) if part)
     owner = module.get_submodule(name)
     found: Optional[int] = None
+    holder = module.get_submodule(layer)
+    if _is_traced(holder) and attribute == "weight":  # by the original model's names (see _parallelize_traced)
+        for pattern, style in styles.items():
+            if any(matched is owner for _, matched in _matches(holder, pattern)):
+                kind = _traced_style(pattern, style)
+                embedding = _used_by([code.graph for code in _codes(holder)], f"{path}.weight",
+                                     torch.ops.aten.embedding.default)
+                found = (1 if kind == "colwise" else 0) if embedding else (0 if kind == "colwise" else 1)
+        return found
     for pattern, style in styles.items():
         if not any(matched is owner for _, matched in _matches(module, pattern)):
             continue
