@@ -124,9 +124,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     train_text, _ = example.corpus()
     ids = example.windows(train_text, lm.batch, lm.length, torch.Generator().manual_seed(lm.seed))
 
-    cuts: Dict[str, nn.Sequential] = {"as train_lm.py": example.language_model(lm)}
+    cuts: Dict[str, nn.Sequential] = {"as train_lm.py": example.language_model(lm)[0]}
     with cut_at_blocks(lm.layers):
-        cuts["per block"] = example.language_model(lm)
+        cuts["per block"] = example.language_model(lm)[0]
     rows: Dict[str, Any] = {}
     header = (f"{'cut':15s} {'layers':>6s} {'configuration':12s} {'compiled / eager':>17s} {'eager ms':>9s} "
               f"{'compiled ms':>12s} {'compiling s':>12s}")
@@ -136,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         compiled = copy.deepcopy(eager)
         compile_layers(compiled, {"backend": backend})
         balance = example.find_balance(lm, eager, run.stages, ids)
-        pipes = {name: run.build(seq, balance) for name, seq in (("eager", eager), ("compiled", compiled))}
+        pipes = {name: run.build(seq, balance, {}) for name, seq in (("eager", eager), ("compiled", compiled))}
         configurations = [
             ("Pipeline", pipeline_step(pipes["eager"], ids, ids), pipeline_step(pipes["compiled"], ids, ids)),
             ("Sequential", sequential_step(eager, ids, example.next_token_loss),
