@@ -18,15 +18,20 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 @pytest.mark.slow
 def test_stages_split_over_tp_ranks_give_the_plain_models_loss_and_gradients() -> None:
-    # The cuts carry a plain tensor, a local shard between a colwise and a rowwise layer, a DTensor sharded on
-    # its last dimension, and a replicated DTensor whose gradient comes back partial; the head is tied to the
-    # embedding and its logits stay sharded on the vocabulary (loss_parallel). Loss, gradients, clipping (2 and
-    # inf) and an SGD step equal the plain module's, on replicas' batches of uneven micro-batches.
+    # Every built-in schedule and 'auto'. The cuts carry a plain tensor, a local shard between a colwise and a
+    # rowwise layer, a DTensor sharded on its last dimension, and a replicated DTensor whose gradient comes back
+    # partial; the head is tied to the embedding and its logits stay sharded on the vocabulary (loss_parallel).
+    # Loss, gradients, clipping (2 and inf) and an SGD step equal the plain module's, on uneven micro-batches.
     runs = [
         ("1f1b", [3, 6], 2, "never"),
         ("gpipe", [5, 4], 3, "always"),
         ("interleaved_1f1b", [2, 2, 2, 3], 2, "never"),
         ("zero_bubble", [3, 6], 2, "except_last"),
+        ("zbv", [2, 2, 2, 3], 4, "never"),
+        ("dualpipev", [2, 2, 2, 3], 4, "except_last"),
+        ("looped_bfs", [2, 2, 2, 3], 2, "never"),
+        ("interleaved_zero_bubble", [2, 2, 2, 3], 2, "never"),
+        ("auto", [3, 6], 4, "never"),
     ]
     problems = ok(launch("tests.distributed.ranks_tp:transparency", 4, timeout=300, shape=[2, 2],
                          names=["pp", "tp"], runs=runs))
