@@ -379,3 +379,20 @@ def checkpointer(rank: int, world: int, path: str) -> Dict[str, Any]:
     _train(other, optimizer, replica, first, last, [5])  # Adam's state exists: overwritten by the restore
     start = torchpipe.Checkpointer(path, other, optimizer, every=2, keep=1).restore()
     return {"start": start, "saved": saved, "restored": _local_state(other, optimizer)}
+
+
+def accumulation(rank: int, world: int) -> List[str]:
+    """Gradients accumulated over two steps (``loss_scale=1 / 2``, no zero_grad between) on a (pp, tp) mesh: the
+    plain module's ``(loss / 2).backward()`` twice, the embedding's (replicated as DTensor computes it, placed
+    as its split parameter) included."""
+    mesh, _, _, position = _where((2, 2), ("pp", "tp"))
+    layers = model()
+    plain = copy.deepcopy(layers)
+    pipe = Pipeline(layers, [3, 6], chunks=2, loss_fn=lm_loss, mesh=mesh, tensor_parallel=plan())
+    problems: List[str] = []
+    for step in range(2):
+        x, y = tokens(4, seed=20 + step)
+        pipe.step(x if position == 0 else None, y if position == 1 else None, loss_scale=0.5)
+        (lm_loss(plain(x), y) / 2).backward()
+        _compare(f"after step {step}", pipe, plain, problems)
+    return problems

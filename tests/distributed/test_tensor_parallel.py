@@ -70,6 +70,11 @@ def test_a_hugging_face_model_trains_on_a_3d_mesh_with_fsdp() -> None:
 
 
 @pytest.mark.slow
+def test_gradients_accumulate_over_steps_on_a_pp_x_tp_mesh() -> None:
+    assert ok(launch("tests.distributed.ranks_tp:accumulation", 4, timeout=200)) == [[]] * 4
+
+
+@pytest.mark.slow
 def test_mesh_dimensions_may_come_in_any_order() -> None:
     problems = ok(launch("tests.distributed.ranks_tp:transparency", 4, timeout=300, shape=[2, 2],
                          names=["tp", "pp"], runs=[("1f1b", [3, 6], 2, "never")]))
