@@ -143,24 +143,36 @@ def place(stage: nn.Module, device: torch.device) -> nn.Module:
     (``to_empty``) and initialises them with each submodule's
     ``reset_parameters()``, so no process ever holds the weights of stages it
     does not run. A submodule with parameters but no ``reset_parameters`` is
-    left uninitialised (a warning names it): load a state dict.
+    left uninitialised (a warning names it): load a state dict. Its
+    non-persistent buffers (a rotary embedding's frequencies), which no state
+    dict holds, are named in a warning of their own: set them.
     """
     tensors = list(stage.parameters()) + list(stage.buffers())
     if not any(t.is_meta for t in tensors):
         return stage.to(device)
     stage.to_empty(device=device)
-    left = []
+    left, lost = [], []
     with torch.no_grad():
         for name, sub in stage.named_modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
                 reset()
-            elif any(True for _ in sub.parameters(recurse=False)):
+                continue
+            if any(True for _ in sub.parameters(recurse=False)):
                 left.append(name or type(sub).__name__)
+            lost += [f"{name}.{b}" if name else b for b in sorted(sub._non_persistent_buffers_set)
+                     if sub._buffers.get(b) is not None]
     if left:
         warnings.warn(
             f"materialised on {device} without initialising {', '.join(left)} (no reset_parameters()); "
             "load a state dict before training",
+            stacklevel=3,
+        )
+    if lost:
+        warnings.warn(
+            f"materialised on {device} without initialising the buffers {', '.join(lost)}, which no state dict "
+            "holds (they are not persistent): their values are garbage until you set them, or build the model "
+            "on a device instead of 'meta'",
             stacklevel=3,
         )
     return stage

@@ -17,6 +17,7 @@ from torchpipe.distributed import tensor_parallel as parallelism
 from torchpipe.distributed.agree import verify_agreement
 from torchpipe.distributed.backend import DistributedBackend
 from torchpipe.distributed.channel import Channel, PipelineError
+from torchpipe.distributed.dtensors import like
 from torchpipe.distributed.mesh import parse_mesh
 from torchpipe.distributed.setup import connect_stages
 from torchpipe.distributed.tensor_parallel import TensorParallelPlan
@@ -260,13 +261,14 @@ class Pipeline(Pipelined):
         all_stages = cut(module, balance)
         layout = inspect_skip_layout(all_stages)
         untie_devices(all_stages, stage_devices, ties)
-        stages: List[Optional[nn.Sequential]] = [
-            cast(nn.Sequential, place(stage, stage_devices[s])) if s in local else None
+        tp = on_mesh if on_mesh is not None and on_mesh.tp_mesh is not None else None
+        stages: List[Optional[nn.Sequential]] = [  # tensor parallel stages are placed split (see below)
+            (stage if tp is not None else cast(nn.Sequential, place(stage, stage_devices[s]))) if s in local else None
             for s, stage in enumerate(all_stages)
         ]
         del all_stages
-        if on_mesh is not None and on_mesh.tp_mesh is not None:  # see [Note: tensor parallel stages]
-            stages = parallelism.parallelize_stages(stages, tensor_parallel, styles, on_mesh.tp_mesh)
+        if tp is not None:  # see [Note: tensor parallel stages]
+            stages = parallelism.parallelize_stages(stages, tensor_parallel, styles, tp.tp_mesh, stage_devices, tp.lane)
         copies = retie(stages, ties)
         if compiled is not None:  # each layer of this rank's stages, in place: the keys stay the module's
             for stage in stages:
@@ -463,9 +465,10 @@ class Pipeline(Pipelined):
         held = {PlainKeys.plain(k): v for k, v in state_dict.items()}
         # The keys of the layers this rank runs (a wrong one among them is unexpected, as usual), and of a tied
         # copy held under its first holder's name (see _name_copies_as_their_first_holder).
-        own = set(self.state_dict(keep_vars=True))
+        own = self.state_dict(keep_vars=True)
         layers = {name for stage in self._stages if stage is not None for name in stage._modules}
-        mine = {k: v for k, v in held.items() if k in own or k.split(".", 1)[0] in layers}
+        # A whole tensor for a DTensor parameter (tensor parallel, FSDP2) loads as this rank's shards of it.
+        mine = {k: like(v, own.get(k)) for k, v in held.items() if k in own or k.split(".", 1)[0] in layers}
         if assign:
             return super().load_state_dict(mine, strict=strict, assign=True)
         return super().load_state_dict(mine, strict=strict)

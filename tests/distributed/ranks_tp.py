@@ -125,29 +125,70 @@ def transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[st
         plain = copy.deepcopy(layers)
         pipe = Pipeline(layers, list(balance), chunks=chunks, schedule=schedule, loss_fn=lm_loss, mesh=mesh,
                         data_parallel=mode, tensor_parallel=plan(), checkpoint=checkpoint)
-        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-        reference = torch.optim.SGD(plain.parameters(), lr=0.5)
-        for step, sizes in enumerate([(5, 3), (4, 6)]):
-            every = [tokens(sizes[r], seed=10 * step + r) for r in range(dp)]
-            x, y = every[replica]
-            stages = len(balance)
-            first, last = pipe.schedule.stage_workers[0], pipe.schedule.stage_workers[stages - 1]
-            loss = pipe.step(x if position == first else None, y if position == last else None)
-            expected = lm_loss(plain(torch.cat([x for x, _ in every])), torch.cat([y for _, y in every]))
-            expected.backward()
-            case = f"{schedule} {list(balance)} {checkpoint} {mode} step {step}"
-            if not torch.allclose(loss, expected.detach(), rtol=1e-9):
-                problems.append(f"{case}: loss {loss.item()} != {expected.item()}")
-            _compare(case, pipe, plain, problems)
-            norm_type = 2.0 if step == 0 else float("inf")
-            norm = pipe.clip_grad_norm_(0.05, norm_type=norm_type)
-            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type=norm_type)
-            if not torch.allclose(norm, expected_norm, rtol=1e-9):
-                problems.append(f"{case}: norm {norm.item()} != {expected_norm.item()} ({norm_type})")
-            _compare(f"{case} clipped", pipe, plain, problems)
-            _update(optimizer, reference)
-        problems += _drifted(f"{schedule} {list(balance)}", pipe, plain, rtol=1e-9, atol=1e-8)
+        problems += _against_plain(f"{schedule} {list(balance)} {checkpoint} {mode}", pipe, plain, dp, replica,
+                                   position)
     return problems
+
+
+def _against_plain(case: str, pipe: Pipeline, plain: nn.Module, dp: int, replica: int, position: int) -> List[str]:
+    """Two training steps of ``pipe`` whose replicas' batches differ in size, against ``plain`` on all of them:
+    the loss, every gradient, the clipped gradients and the norm (2, then inf), and the parameters after SGD."""
+    problems: List[str] = []
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    reference = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for step, sizes in enumerate([(5, 3), (4, 6)]):
+        every = [tokens(sizes[r], seed=10 * step + r) for r in range(dp)]
+        x, y = every[replica]
+        first, last = pipe.schedule.stage_workers[0], pipe.schedule.stage_workers[len(pipe.balance) - 1]
+        loss = pipe.step(x if position == first else None, y if position == last else None)
+        expected = lm_loss(plain(torch.cat([x for x, _ in every])), torch.cat([y for _, y in every]))
+        expected.backward()
+        at = f"{case} step {step}"
+        if not torch.allclose(loss, expected.detach(), rtol=1e-9):
+            problems.append(f"{at}: loss {loss.item()} != {expected.item()}")
+        _compare(at, pipe, plain, problems)
+        norm_type = 2.0 if step == 0 else float("inf")
+        norm = pipe.clip_grad_norm_(0.05, norm_type=norm_type)
+        expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type=norm_type)
+        if not torch.allclose(norm, expected_norm, rtol=1e-9):
+            problems.append(f"{at}: norm {norm.item()} != {expected_norm.item()} ({norm_type})")
+        _compare(f"{at} clipped", pipe, plain, problems)
+        _update(optimizer, reference)
+    return problems + _drifted(case, pipe, plain, rtol=1e-9, atol=1e-8)
+
+
+def on_meta(rank: int, world: int, shape: Sequence[int], names: Sequence[str], mode: Optional[str]) -> Dict[str, Any]:
+    """A model built on the meta device (every rank with the same seed): what each layer's reset_parameters()
+    saw of its weight, this rank's tensors once the pipeline is made, and then, with the plain module's state
+    dict loaded (whole tensors into the shards), two steps against the plain module."""
+    mesh, dims, replica, position = _where(shape, names)
+    seen: List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]] = []
+    resets = {kind: kind.reset_parameters for kind in (nn.Linear, nn.Embedding)}
+
+    def recording(kind: Any) -> Any:
+        def reset(module: nn.Module) -> None:
+            weight: Any = module.weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            seen.append((type(weight).__name__, tuple(weight.shape), tuple(local.shape)))
+            resets[kind](module)
+        return reset
+
+    with torch.device("meta"):
+        layers = model()
+    for kind in resets:
+        kind.reset_parameters = recording(kind)
+    try:
+        pipe = Pipeline(layers, [3, 6], chunks=2, loss_fn=lm_loss, mesh=mesh, data_parallel=mode,
+                        tensor_parallel=plan())
+    finally:
+        for kind, reset in resets.items():
+            kind.reset_parameters = reset
+    made = {key: (value.to_local() if hasattr(value, "to_local") else value).clone()
+            for key, value in pipe.state_dict().items()}
+    plain = model()
+    pipe.load_state_dict(plain.state_dict())
+    problems = _against_plain(f"meta {mode}", pipe, plain, dims.get("dp", 1), replica, position)
+    return {"seen": seen, "made": made, "problems": problems}
 
 
 def _update(*optimizers: torch.optim.Optimizer) -> None:

@@ -1,7 +1,7 @@
 """Tensor parallelism inside stages on ('pp', 'tp') and ('dp', 'pp', 'tp') meshes of gloo ranks on 127.0.0.1
 (hard timeouts); the plan's checks in one process."""
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -46,6 +46,38 @@ def test_a_3d_mesh_gives_the_plain_models_loss_and_gradients(mode: str) -> None:
     problems = ok(launch("tests.distributed.ranks_tp:transparency", 8, timeout=300, shape=[2, 2, 2],
                          names=["dp", "pp", "tp"], runs=[("1f1b", [3, 6], 2, "never")], mode=mode))
     assert problems == [[]] * 8, problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,names,mode", [([2, 2], ["pp", "tp"], None), ([2, 2, 2], ["dp", "pp", "tp"], "shard")])
+def test_a_meta_model_is_made_straight_into_shards_and_loads_the_plain_state_dict(
+        shape: List[int], names: List[str], mode: Optional[str]) -> None:
+    # A model built on the meta device is split there and materialised as shards: every layer's
+    # reset_parameters() initialises only the half of its weight that its tp rank keeps, so no rank holds a
+    # stage whole. Every rank seeds alike (as jobs do), yet the two halves of one weight are not copies of each
+    # other (which would make their units train as one), and what the plan leaves whole (biases of rowwise
+    # layers, norms) is the same on both tp ranks. The plain module's state dict then loads, whole tensors
+    # into the shards (and FSDP2's on top), and training gives the plain module's loss and gradients.
+    world = 1
+    for size in shape:
+        world *= size
+    results = ok(launch("tests.distributed.ranks_tp:on_meta", world, timeout=300, shape=shape, names=names,
+                        mode=mode))
+    assert [r["problems"] for r in results] == [[]] * world
+    for result in results:
+        assert result["seen"], "no layer was initialised"
+        for kind, whole, local in result["seen"]:
+            assert kind == "DTensor" and torch.Size(local).numel() * 2 == torch.Size(whole).numel(), result["seen"]
+    if mode is None:  # ranks 2s and 2s + 1 are stage s's tp ranks
+        plain = ranks_tp.model().state_dict()
+        for s in range(2):
+            first, second = results[2 * s]["made"], results[2 * s + 1]["made"]
+            assert set(first) == set(second) and first
+            for key in first:
+                if first[key].shape == plain[key].shape:  # left whole by the plan
+                    assert torch.equal(first[key], second[key]), key
+                else:
+                    assert not torch.equal(first[key], second[key]), key
 
 
 @pytest.mark.slow

@@ -10,12 +10,13 @@ Gradients travel the same way with their own placements (a ``Replicate``
 activation's gradient may come back ``Partial``): the sending stage's
 backward starts from a DTensor gradient as the plain module's would.
 """
+import inspect
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Sharding", "split", "rebuild", "is_dtensor"]
+__all__ = ["Sharding", "split", "rebuild", "is_dtensor", "like"]
 
 #: Placement kinds on the wire.
 _REPLICATE, _SHARD, _PARTIAL_SUM, _PARTIAL_AVG = 0, 1, 2, 3
@@ -31,6 +32,21 @@ class Sharding(NamedTuple):
 
 def is_dtensor(tensor: Any) -> bool:
     return hasattr(tensor, "to_local") and hasattr(tensor, "placements")
+
+
+def like(value: Any, own: Any) -> Any:
+    """``value`` to load into ``own``: a whole tensor for a DTensor as this rank's shards of it (each rank takes
+    its own part, with no message), anything else as it is."""
+    if not is_dtensor(own) or not isinstance(value, Tensor) or is_dtensor(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    if tuple(value.shape) != tuple(own.shape):
+        return value  # the load's own size check names the key
+    whole = value.detach().to(own.device)
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(whole, own.device_mesh, own.placements, src_data_rank=None)
+    return distribute_tensor(whole, own.device_mesh, own.placements)  # from the mesh's first rank
 
 
 def split(tensor: Tensor) -> Tuple[Tensor, Optional[Sharding]]:

@@ -10,7 +10,7 @@ from torchpipe.distributed.channel import Channel
 from torchpipe.distributed.mesh import MeshLayout
 from torchpipe.distributed.reduce import GradientReducer, TiedGroup
 from torchpipe.distributed.shard import ShardedStages, shard_stages
-from torchpipe.distributed.tensor_parallel import GradientPlacements
+from torchpipe.distributed.tensor_parallel import GradientPlacements, replicated
 from torchpipe.runtime import Runner
 from torchpipe.runtime.ties import Tie
 
@@ -35,7 +35,7 @@ def connect_stages(
         # before any runs (see Channel.commit), so that a step one rank refuses never starts on its tp peers.
         channel.collectives = channel.collectives_without_grad = True
         lanes = channel.subgroup(f"tp/{mesh.replica}/{channel.rank}", list(range(mesh.lanes)), mesh.lane)
-        _broadcast(lanes, [t for t in _tensors(stages.values()) if not hasattr(t, "to_local")])
+        _broadcast(lanes, [t for t in _tensors(stages.values()) if replicated(t)])
     replicas: Any = None
     if mesh is not None and mesh.replicas > 1:
         channel.collectives = True

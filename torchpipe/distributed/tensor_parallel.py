@@ -6,7 +6,8 @@ sub-group are one lane's stages, and the tp ranks of a stage split it with
 DTensor (``torch.distributed.tensor.parallel``), each holding its shards.
 
 - The plan is applied to each of this rank's stages once it is built and
-  on its device, before FSDP2 (``data_parallel='shard'`` shards the
+  on its device (a meta-device stage is split on the meta device and then
+  materialised, each rank its shards only), before FSDP2 (``data_parallel='shard'`` shards the
   DTensors over ``'dp'`` on top: a 2-D sharding per stage). Its names are
   the plain module's, with ``*`` patterns per name part as
   ``parallelize_module`` takes them; each entry is applied to the modules
@@ -50,6 +51,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from torchpipe.partition import place
 from torchpipe.runtime.step import StageHooks, Step
 
 __all__ = ["TensorParallelPlan", "STYLE_NAMES", "verify_plan", "parallelize_stages", "describe_plan", "replicated",
@@ -261,38 +263,69 @@ def _traced_matches(module: nn.Module, pattern: str) -> List[Tuple[nn.Module, st
 
 
 def parallelize_stages(stages: Sequence[Optional[nn.Sequential]], plan: Any, styles: Optional[Dict[str, Any]],
-                       tp_mesh: Any) -> List[Optional[nn.Sequential]]:
-    """This rank's stages split over ``tp_mesh`` by ``plan`` (``styles``: the checked mapping; None: ``plan`` is
-    a function of a stage and the mesh).
+                       tp_mesh: Any, devices: Sequence[torch.device], lane: int) -> List[Optional[nn.Sequential]]:
+    """This rank's stages placed on their ``devices`` and split over ``tp_mesh`` by ``plan`` (``styles``: the
+    checked mapping; None: ``plan`` is a function of a stage and the mesh); ``lane``: this rank's on ``tp_mesh``.
+
+    A stage built on the meta device is split there and then materialised (see :func:`_materialise`), so that no
+    rank ever holds it whole.
 
     Raises:
         TypeError: a plan function that returned something other than an ``nn.Sequential`` of the stage's
             layers under their names.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
     result: List[Optional[nn.Sequential]] = []
     for s, stage in enumerate(stages):
         if stage is None:
             result.append(None)
             continue
-        if styles is None:
-            made = plan(stage, tp_mesh)
-            if not isinstance(made, nn.Sequential) or list(made._modules) != list(stage._modules):
-                raise TypeError(
-                    f"tensor_parallel's function returned {type(made).__name__} for stage {s}: it must return the "
-                    f"stage (an nn.Sequential of layers {list(stage._modules)}), parallelized in place"
-                )
-            result.append(made)
-            continue
-        for name, style in styles.items():
-            for _, sub in _matches(stage, name):
-                parallelize_module(sub, tp_mesh, style)
-        for layer in stage.children():
-            if _is_traced(layer):
-                _parallelize_traced(layer, styles, tp_mesh)
-        result.append(stage)
+        meta = any(t.is_meta for t in list(stage.parameters()) + list(stage.buffers()))
+        if not meta:
+            stage = cast(nn.Sequential, place(stage, devices[s]))
+        made = _parallelize(s, stage, plan, styles, tp_mesh)
+        if meta:
+            _materialise(made, devices[s], lane)
+        result.append(made)
     return result
+
+
+def _materialise(stage: nn.Module, device: torch.device, lane: int) -> None:
+    """Materialises ``stage``, split on the meta device, on ``device``: each tp rank allocates and initialises its
+    shards only (``partition.place``). The tp ranks draw from random streams of their own, so that the shards of
+    one parameter are not copies of each other (the ranks of a job usually share their seed); what the plan left
+    whole is the first tp rank's on every tp rank once the pipeline is set up (``setup.connect_stages``). The
+    caller's random state is as before."""
+    accelerator = None if device.type == "cpu" else getattr(torch, device.type)
+    index = [] if accelerator is None else [device.index if device.index is not None else accelerator.current_device()]
+    with torch.random.fork_rng(devices=index, device_type="cuda" if accelerator is None else device.type):
+        seed = int(torch.randint(0, 2**62, ())) + lane
+        torch.default_generator.manual_seed(seed)
+        if accelerator is not None:
+            with accelerator.device(index[0]):
+                accelerator.manual_seed(seed)
+        place(stage, device)
+
+
+def _parallelize(s: int, stage: nn.Sequential, plan: Any, styles: Optional[Dict[str, Any]],
+                 tp_mesh: Any) -> nn.Sequential:
+    """Stage ``s`` split over ``tp_mesh`` by ``plan`` (see :func:`parallelize_stages`)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if styles is None:
+        made = plan(stage, tp_mesh)
+        if not isinstance(made, nn.Sequential) or list(made._modules) != list(stage._modules):
+            raise TypeError(
+                f"tensor_parallel's function returned {type(made).__name__} for stage {s}: it must return the "
+                f"stage (an nn.Sequential of layers {list(stage._modules)}), parallelized in place"
+            )
+        return made
+    for name, style in styles.items():
+        for _, sub in _matches(stage, name):
+            parallelize_module(sub, tp_mesh, style)
+    for layer in stage.children():
+        if _is_traced(layer):
+            _parallelize_traced(layer, styles, tp_mesh)
+    return stage
 
 
 def action_context(stages: Sequence[Optional[nn.Module]]) -> Optional[Callable[[], Any]]:
