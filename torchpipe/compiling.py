@@ -33,7 +33,8 @@ task's generators and a recomputation replays its draws.
 import inspect
 import sys
 import types
-from typing import Any, Dict, List, Optional, Union
+import warnings
+from typing import Any, Collection, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -137,7 +138,7 @@ def _check_supported() -> None:
         )
 
 
-def compile_layers(stage: nn.Sequential, options: CompileOptions = True) -> None:
+def compile_layers(stage: nn.Sequential, options: CompileOptions = True, eager: Collection[str] = ()) -> None:
     """Compiles each layer of ``stage`` in place with ``torch.compile``: regional compilation.
 
     Each layer (each child of ``stage``) is compiled on its own, as one
@@ -171,6 +172,9 @@ def compile_layers(stage: nn.Sequential, options: CompileOptions = True) -> None
         options: True (``torch.compile``'s defaults), False (nothing
             compiled) or a dict of ``torch.compile`` keyword arguments
             (``{'backend': 'aot_eager'}``, ``{'mode': 'max-autotune'}``).
+        eager: names of layers that stay uncompiled, with a warning that
+            names them (a tensor-parallel stage's embedding split on its
+            vocabulary, which ``torch.compile`` cannot trace through DTensor).
 
     Raises:
         TypeError: ``stage`` is not an ``nn.Sequential``, or ``options`` is
@@ -194,8 +198,16 @@ def compile_layers(stage: nn.Sequential, options: CompileOptions = True) -> None
     checked = compile_options(options)
     if checked is None:
         return
-    for layer in stage:
-        _compile_layer(layer, checked)
+    if eager:
+        warnings.warn(
+            f"compile= leaves layer(s) {', '.join(eager)} uncompiled: each holds an embedding that tensor_parallel "
+            "splits on its vocabulary, which torch.compile does not trace (DTensor's masked partial lookup); the "
+            "other layers compile",
+            stacklevel=3,
+        )
+    for name, layer in stage.named_children():
+        if name not in eager:
+            _compile_layer(layer, checked)
 
 
 def in_random_streams() -> bool:

@@ -273,7 +273,7 @@ class Pipeline(Pipelined):
         if compiled is not None:  # each layer of this rank's stages, in place: the keys stay the module's
             for stage in stages:
                 if stage is not None:
-                    compile_layers(stage, compiled)
+                    compile_layers(stage, compiled) if tp is None else parallelism.compile_stage(stage, compiled)
         # The layers are this module's children under their own names, so that state_dict() has the plain
         # module's keys ('3.weight') and parameters() are the layers'.
         for stage in stages:

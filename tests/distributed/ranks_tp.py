@@ -351,7 +351,8 @@ def shifted_cross_entropy(logits: Tensor, ids: Tensor) -> Tensor:
 
 
 def llama_transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[str],
-                       runs: Sequence[Tuple[str, int, str]], mode: Optional[str] = None) -> List[str]:
+                       runs: Sequence[Tuple[str, int, str]], mode: Optional[str] = None,
+                       compile: Any = False) -> List[str]:
     """A tiny Llama traced by as_sequential, split by its own tensor-parallel plan (``model._tp_plan``): per run
     (schedule, chunks, checkpoint), two steps of other sequence lengths against the plain model: the loss, every
     gradient, the clipped norm and the parameters after an SGD step."""
@@ -368,7 +369,8 @@ def llama_transparency(rank: int, world: int, shape: Sequence[int], names: Seque
         stages = dims["pp"] * (2 if schedule == "interleaved_1f1b" else 1)
         balance = [len(seq) // stages + (1 if s < len(seq) % stages else 0) for s in range(stages)]
         pipe = Pipeline(seq, balance, chunks=chunks, schedule=schedule, loss_fn=shifted_cross_entropy, mesh=mesh,
-                        data_parallel=mode, tensor_parallel=original._tp_plan, checkpoint=checkpoint)
+                        data_parallel=mode, tensor_parallel=original._tp_plan, checkpoint=checkpoint,
+                        compile=compile)
         first, last = pipe.schedule.stage_workers[0], pipe.schedule.stage_workers[-1]
         # SGD: Adam's update would magnify the float32 rounding of the norms (see below) into the next step.
         optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
@@ -437,3 +439,29 @@ def accumulation(rank: int, world: int) -> List[str]:
         (lm_loss(plain(x), y) / 2).backward()
         _compare(f"after step {step}", pipe, plain, problems)
     return problems
+
+
+def compiled(rank: int, world: int) -> Dict[str, Any]:
+    """compile= on a (pp, tp) mesh, through aot_eager: the graphs each rank compiled, the warnings it gave, and two
+    steps against the plain module."""
+    import warnings
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    mesh, dims, replica, position = _where([2, 2], ["pp", "tp"])
+    graphs: List[int] = []
+
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return aot_autograd(fw_compiler=boxed_nop)(gm, example_inputs)
+
+    layers = model()
+    plain = copy.deepcopy(layers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = Pipeline(layers, [3, 6], chunks=2, loss_fn=lm_loss, mesh=mesh, tensor_parallel=plan(),
+                        compile={"backend": counting})
+    problems = _against_plain("compiled", pipe, plain, 1, replica, position)
+    return {"problems": problems, "graphs": len(graphs),
+            "warnings": [str(w.message) for w in caught if "compile=" in str(w.message)]}

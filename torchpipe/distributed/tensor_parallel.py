@@ -51,11 +51,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from torchpipe.compiling import compile_layers
 from torchpipe.partition import place
 from torchpipe.runtime.step import StageHooks, Step
 
 __all__ = ["TensorParallelPlan", "STYLE_NAMES", "verify_plan", "parallelize_stages", "describe_plan", "replicated",
-           "GradientPlacements", "action_context", "settled"]
+           "GradientPlacements", "action_context", "settled", "uncompilable", "compile_stage"]
 
 #: A plan: module names (``*`` patterns per name part) to styles, or a function of a stage and the tp mesh.
 TensorParallelPlan = Union[Mapping[str, Any], Callable[[nn.Module, Any], nn.Module]]
@@ -326,6 +327,32 @@ def _parallelize(s: int, stage: nn.Sequential, plan: Any, styles: Optional[Dict[
         if _is_traced(layer):
             _parallelize_traced(layer, styles, tp_mesh)
     return stage
+
+
+def compile_stage(stage: nn.Sequential, options: Dict[str, Any]) -> None:
+    """Compiles each layer of a split ``stage`` with ``torch.compile``'s keyword arguments ``options``, as
+    :func:`torchpipe.compiling.compile_layers` does, with two differences that DTensor asks for: shapes are
+    static unless ``options`` say ``dynamic`` (its sharding propagation does not take a symbolic batch size
+    through a traced layer's views: each micro-batch size compiles once), and the layers that hold an embedding
+    split on its vocabulary stay eager, with a warning (see :func:`uncompilable`)."""
+    compile_layers(stage, {"dynamic": False, **options}, eager=uncompilable(stage))
+
+
+def uncompilable(stage: nn.Module) -> List[str]:
+    """The layers of ``stage`` that ``torch.compile`` cannot take once split: those holding an embedding table
+    split on its rows (the vocabulary), whose lookup DTensor leaves as a masked partial that dynamo does not
+    trace (it fails on the first call)."""
+    names = []
+    for name, layer in stage.named_children():
+        graphs = [code.graph for code in _codes(layer)] if _is_traced(layer) else []
+        for path, sub in layer.named_modules():
+            for attr, param in sub._parameters.items():
+                rows = [p for p in getattr(param, "placements", ()) if p.is_shard(0)]
+                target = f"{path}.{attr}" if path else attr
+                if rows and (isinstance(sub, nn.Embedding)
+                             or _used_by(graphs, target, torch.ops.aten.embedding.default)):
+                    names.append(name)
+    return list(dict.fromkeys(names))
 
 
 def action_context(stages: Sequence[Optional[nn.Module]]) -> Optional[Callable[[], Any]]:
