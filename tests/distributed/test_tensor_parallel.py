@@ -42,9 +42,12 @@ def test_stages_split_over_tp_ranks_give_the_plain_models_loss_and_gradients() -
 @pytest.mark.parametrize("mode", ["replicate", "shard"])
 def test_a_3d_mesh_gives_the_plain_models_loss_and_gradients(mode: str) -> None:
     # (dp, pp, tp) = (2, 2, 2): replicas over 'dp' (DDP-like, or FSDP2 on top of the tp shards), each replica's
-    # batch of another size.
-    problems = ok(launch("tests.distributed.ranks_tp:transparency", 8, timeout=300, shape=[2, 2, 2],
-                         names=["dp", "pp", "tp"], runs=[("1f1b", [3, 6], 2, "never")], mode=mode))
+    # batch of another size; a split backward (zero bubble) and two stages per rank (interleaved) beside 1F1B.
+    runs = [("1f1b", [3, 6], 2, "never"),
+            ("zero_bubble", [3, 6], 2, "except_last") if mode == "replicate" else
+            ("interleaved_1f1b", [2, 2, 2, 3], 2, "always")]
+    problems = ok(launch("tests.distributed.ranks_tp:transparency", 8, timeout=400, shape=[2, 2, 2],
+                         names=["dp", "pp", "tp"], runs=runs, mode=mode))
     assert problems == [[]] * 8, problems
 
 
