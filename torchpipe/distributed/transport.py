@@ -28,6 +28,7 @@ from torchpipe.distributed.memory import memory_of
 from torchpipe.distributed.packing import layout_of, packed, wait_all
 from torchpipe.distributed.receiving import ReceivingThread
 from torchpipe.distributed.routes import AHEAD, groups, message_orders, tag
+from torchpipe.runtime.release import local, releasable, release
 from torchpipe.runtime.transport import Edge, EdgeKind, Mailbox, Message
 from torchpipe.schedule import Action, Schedule
 
@@ -105,6 +106,8 @@ class DistributedTransport:
         self._sent = {peer: 0 for peer in self._outgoing}
         #: Sends in flight: the peer, the works, and the tensors they read (kept alive until they end).
         self._pending: List[Tuple[int, List[Any], List[Tensor]]] = []
+        #: Outputs to free once the sends that read them (as they are, not a copy) are over.
+        self._releases: List[Tuple[List[Any], List[Tensor]]] = []
         #: Whether messages travel packed (see [Note: packed messages]): where tensors and headers share gloo,
         #: which is also where receives may be posted AHEAD (over NCCL, one). The same on every rank.
         self._packed = channel.device.type != "cuda"
@@ -168,7 +171,42 @@ class DistributedTransport:
             except RuntimeError as exc:
                 self._peer_died(peer, f"sent its {edge}", exc)
         self.memory.layouts[key] = layout
+        self._sweep()
         self._pending.append((peer, works, kept))
+
+    def release(self, edge: Edge, outputs: Sequence[Tensor], others: Sequence[Tensor]) -> None:
+        """Frees what nothing reads again of the outputs just sent on ``edge`` (see [Note: released outputs]):
+        at once where the message was a copy of them (packed), else once the sends that read them are over."""
+        if self.stage_workers[edge.target] == self.rank:
+            return  # the mailbox holds the outputs themselves
+        freed = releasable(outputs, others)
+        if not freed:
+            return
+        peer, works, kept = self._pending[-1]
+        read = {int(t.untyped_storage().data_ptr()) for t in kept}
+        if any(int(local(t).untyped_storage().data_ptr()) in read for t in freed):
+            self._releases.append((works, freed))  # sent as they are: freed by _sweep
+        else:
+            release(freed)
+
+    def _sweep(self) -> None:
+        """Lets go of the sends that are over (their messages' buffers) and frees the outputs they read."""
+        if self._releases:
+            waiting = [(works, freed) for works, freed in self._releases if not all(w.is_completed() for w in works)]
+            for works, freed in self._releases:
+                if all(w.is_completed() for w in works):
+                    release(freed)
+            self._releases = waiting
+        over = [entry for entry in self._pending if all(w.is_completed() for w in entry[1])]
+        if not over:
+            return
+        self._pending = [entry for entry in self._pending if not all(w.is_completed() for w in entry[1])]
+        for peer, works, _ in over:
+            for work in works:
+                try:
+                    work.wait()  # over: raises only if it failed
+                except RuntimeError as exc:
+                    self._peer_died(peer, "sent a message", exc)
 
     def _post_send(
         self, peer: int, k: int, header: Tensor, expected: wire.Layout, layout: wire.Layout, tensors: List[Tensor],
@@ -210,6 +248,7 @@ class DistributedTransport:
     def recv(self, edge: Edge) -> Message:
         peer = self.stage_workers[edge.source]
         incoming = self._incoming.get(peer)  # None: a message between this rank's own stages
+        self._sweep()  # what was sent before this wait and is over: freed before the message's tensors come
         # Message k > 0 not received yet: the stage's thread takes it off the wire, once the first has come
         # through the receiving thread (see [Note: message order]); message 0 the mailbox waits for.
         k = incoming.index[edge] if incoming is not None else 0
@@ -244,6 +283,9 @@ class DistributedTransport:
                 except RuntimeError as exc:
                     self._peer_died(peer, "waited for its sends to end", exc)
         self._pending.clear()
+        for _, freed in self._releases:
+            release(freed)
+        self._releases.clear()
         for ended in self._jobs:
             ended.wait()
 

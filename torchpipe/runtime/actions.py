@@ -142,12 +142,19 @@ def forward(step: Step, action: Action) -> None:
     else:
         out_flags = tuple(t.requires_grad for t in out.values)
     trace.mark_end()
+    stashed: List[Tensor] = []
     for edge in step.plan.sends[action]:  # the skips stashed for later stages, then the output
         if edge.kind is EdgeKind.SKIP:
             assert skips is not None and edge.skip is not None
-            step.transport.send(edge, skips.message(*edge.skip))
+            message = skips.message(*edge.skip)
+            stashed += [t for t in message.tensors if t is not None]
+            step.transport.send(edge, message)
         else:
             step.transport.send(edge, Message([t.detach() for t in out.values], out_flags, out.atomic))
+            key = step.keys[i]
+            if step.grad_enabled and not checkpointed and not (key is not None and key.observed):
+                # Only the graph is needed until the backward (see [Note: released outputs]).
+                step.transport.release(edge, out.values, stashed)
     if s + 1 < stages.count:
         return
     if loss is not None:

@@ -12,7 +12,7 @@ which is what keeps "nothing hangs" true.
 import enum
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from torch import Tensor
 
@@ -107,6 +107,11 @@ class Transport(Protocol):
     def send(self, edge: Edge, message: Message) -> None: ...
 
     def recv(self, edge: Edge) -> Message: ...
+
+    def release(self, edge: Edge, outputs: Sequence[Tensor], others: Sequence[Tensor]) -> None:
+        """After ``edge``'s message of stage ``outputs`` was sent: frees the data of the outputs that nothing
+        reads again (``others``: what else the action sent), where the message was a copy (see [Note:
+        released outputs] in ``runtime/release.py``)."""
 
     def abort(self) -> None: ...
 
@@ -216,6 +221,9 @@ class LocalTransport:
         message = self.mailbox.take(edge)
         tensors = transfer.receive(message.tensors, message.event, self.streams[edge.target])
         return message._replace(tensors=tensors)
+
+    def release(self, edge: Edge, outputs: Sequence[Tensor], others: Sequence[Tensor]) -> None:
+        pass  # in one process the message is the outputs themselves, or a copy in flight on a stream
 
     def abort(self) -> None:
         self.mailbox.abort()
