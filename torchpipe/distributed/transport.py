@@ -28,7 +28,7 @@ from torchpipe.distributed.memory import memory_of
 from torchpipe.distributed.packing import layout_of, packed, wait_all
 from torchpipe.distributed.receiving import ReceivingThread
 from torchpipe.distributed.routes import AHEAD, groups, message_orders, tag
-from torchpipe.runtime.release import local, releasable, release
+from torchpipe.runtime.release import releasable, release, storage
 from torchpipe.runtime.transport import Edge, EdgeKind, Mailbox, Message
 from torchpipe.schedule import Action, Schedule
 
@@ -183,8 +183,8 @@ class DistributedTransport:
         if not freed:
             return
         peer, works, kept = self._pending[-1]
-        read = {int(t.untyped_storage().data_ptr()) for t in kept}
-        if any(int(local(t).untyped_storage().data_ptr()) in read for t in freed):
+        read = {storage(t) for t in kept}
+        if any(storage(t) in read for t in freed):
             self._releases.append((works, freed))  # sent as they are: freed by _sweep
         else:
             release(freed)

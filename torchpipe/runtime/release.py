@@ -20,11 +20,11 @@ else reads its data again:
 A DTensor output is released by its local tensor. Under checkpointing the
 output is computed without graph and kept by nothing once sent.
 """
-from typing import Any, Iterable, List, Sequence, Set
+from typing import Any, Iterable, List, Optional, Sequence, Set
 
 from torch import Tensor
 
-__all__ = ["releasable", "release", "local", "LOOKED_AT"]
+__all__ = ["releasable", "release", "local", "storage", "LOOKED_AT"]
 
 #: The most graph nodes looked at for tensors that saved an output (past it, the outputs are kept).
 LOOKED_AT = 64
@@ -36,8 +36,16 @@ def local(tensor: Tensor) -> Tensor:
     return inner if isinstance(inner, Tensor) else tensor
 
 
-def _storage(tensor: Tensor) -> int:
-    return int(local(tensor).untyped_storage().data_ptr())
+def storage(tensor: Tensor) -> Optional[int]:
+    """Where ``tensor``'s data is; None for a tensor that holds no storage of its own (a wrapper subclass: a
+    collective's result in flight)."""
+    inner = local(tensor)
+    if type(inner) is not Tensor:
+        return None
+    try:
+        return int(inner.untyped_storage().data_ptr())
+    except RuntimeError:
+        return None
 
 
 def _saved(node: Any) -> Iterable[Tensor]:
@@ -59,14 +67,14 @@ def _saved(node: Any) -> Iterable[Tensor]:
 def releasable(outputs: Sequence[Tensor], others: Sequence[Tensor] = ()) -> List[Tensor]:
     """The ``outputs`` whose data nothing reads again once they are sent (see [Note: released outputs]);
     ``others``: the other tensors the action sends or keeps (skips it stashed)."""
-    candidates = [t for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None
-                  and local(t)._base is None and not t.is_meta and local(t).untyped_storage().nbytes() > 0]
+    candidates = [t for t in outputs if isinstance(t, Tensor) and t.grad_fn is not None and not t.is_meta
+                  and storage(t) is not None and local(t)._base is None and local(t).untyped_storage().nbytes() > 0]
     if not candidates:
         return []
-    storages = [_storage(t) for t in outputs if isinstance(t, Tensor)]
-    shared: Set[int] = {p for p in storages if storages.count(p) > 1}
-    shared |= {_storage(t) for t in others if isinstance(t, Tensor)}
-    wanted = {_storage(t) for t in candidates} - shared
+    storages = [storage(t) for t in outputs if isinstance(t, Tensor)]
+    shared: Set[Optional[int]] = {p for p in storages if storages.count(p) > 1}
+    shared |= {storage(t) for t in others if isinstance(t, Tensor)}
+    wanted = {storage(t) for t in candidates} - shared
     if not wanted:
         return []
     # The nodes made after the outputs: from each output's grad_fn down, not past another output's.
@@ -80,13 +88,13 @@ def releasable(outputs: Sequence[Tensor], others: Sequence[Tensor] = ()) -> List
         seen.add(node)
         if len(seen) > LOOKED_AT:
             return []
-        wanted -= {_storage(s) for s in _saved(node)}
+        wanted -= {storage(s) for s in _saved(node)}
         if not wanted:
             return []
         for child, _ in node.next_functions:
             if child is not None and child not in ends and len(ends) > 1:
                 stack.append(child)
-    return [t for t in candidates if _storage(t) in wanted]
+    return [t for t in candidates if storage(t) in wanted]
 
 
 def release(tensors: Sequence[Tensor]) -> None:
