@@ -8,9 +8,10 @@ from torch import Tensor, nn
 
 from torchpipe.distributed.channel import Channel
 from torchpipe.distributed.mesh import MeshLayout
+from torchpipe.distributed.placements import GradientPlacements
 from torchpipe.distributed.reduce import GradientReducer, TiedGroup
 from torchpipe.distributed.shard import ShardedStages, shard_stages
-from torchpipe.distributed.tensor_parallel import GradientPlacements, replicated
+from torchpipe.distributed.tensor_parallel import replicated
 from torchpipe.runtime import Runner
 from torchpipe.runtime.ties import Tie
 

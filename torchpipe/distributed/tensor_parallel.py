@@ -53,10 +53,9 @@ from torch import nn
 
 from torchpipe.compiling import compile_layers
 from torchpipe.partition import place
-from torchpipe.runtime.step import StageHooks, Step
 
 __all__ = ["TensorParallelPlan", "STYLE_NAMES", "verify_plan", "parallelize_stages", "describe_plan", "replicated",
-           "GradientPlacements", "action_context", "settled", "uncompilable", "compile_stage"]
+           "action_context", "settled", "uncompilable", "compile_stage"]
 
 #: A plan: module names (``*`` patterns per name part) to styles, or a function of a stage and the tp mesh.
 TensorParallelPlan = Union[Mapping[str, Any], Callable[[nn.Module, Any], nn.Module]]
@@ -479,26 +478,3 @@ def replicated(param: Any) -> bool:
         if dim < len(names) and names[dim] == "tp" and placement.is_shard():
             return False
     return True
-
-
-class GradientPlacements(StageHooks):
-    """Places each parameter's gradient as the parameter, after its stage's last backward (see [Note: tensor
-    parallel stages]): a DTensor parameter's placed as it is, and a plain one's whole (a traced layer's plain
-    parameter gets a DTensor gradient from the DTensors it met, possibly partial).
-
-    Args:
-        stages: this rank's stages, by stage index.
-    """
-
-    def __init__(self, stages: Mapping[int, nn.Module]) -> None:
-        self.params = {s: list(stage.parameters()) for s, stage in stages.items()}
-
-    def after_last_backward(self, step: Step, stage: int) -> None:
-        for param in self.params.get(stage, ()):
-            grad = param.grad
-            if grad is None or not hasattr(grad, "placements"):
-                continue
-            if not hasattr(param, "placements"):
-                param.grad = grad.full_tensor()  # type: ignore[attr-defined]
-            elif grad.placements != param.placements:
-                param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]
