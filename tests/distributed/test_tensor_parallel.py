@@ -77,7 +77,7 @@ def test_a_meta_model_is_made_straight_into_shards_and_loads_the_plain_state_dic
             first, second = results[2 * s]["made"], results[2 * s + 1]["made"]
             assert set(first) == set(second) and first
             for key in first:
-                if first[key].shape == plain[key].shape:  # left whole by the plan
+                if first[key].shape == plain[key].shape:  # left whole by the plan: tp rank 0's bytes, broadcast
                     assert torch.equal(first[key], second[key]), key
                 else:
                     assert not torch.equal(first[key], second[key]), key

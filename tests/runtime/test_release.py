@@ -17,7 +17,7 @@ def test_a_linear_layers_output_is_released_and_its_backward_is_unchanged() -> N
     release([out])
     assert out.untyped_storage().nbytes() == 0 and out.shape == (5, 3)  # the metadata stays
     got = torch.autograd.grad(out, [x, layer.weight], grad)
-    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))  # the same computation, run twice
 
 
 def test_an_output_its_own_backward_needs_is_kept() -> None:
