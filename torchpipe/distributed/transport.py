@@ -192,15 +192,20 @@ class DistributedTransport:
     def _sweep(self) -> None:
         """Lets go of the sends that are over (their messages' buffers) and frees the outputs they read."""
         if self._releases:
-            waiting = [(works, freed) for works, freed in self._releases if not all(w.is_completed() for w in works)]
+            waiting: List[Tuple[List[Any], List[Tensor]]] = []
             for works, freed in self._releases:
                 if all(w.is_completed() for w in works):
                     release(freed)
+                else:
+                    waiting.append((works, freed))
             self._releases = waiting
-        over = [entry for entry in self._pending if all(w.is_completed() for w in entry[1])]
+        over: List[Tuple[int, List[Any], List[Tensor]]] = []
+        pending: List[Tuple[int, List[Any], List[Tensor]]] = []
+        for entry in self._pending:
+            (over if all(w.is_completed() for w in entry[1]) else pending).append(entry)
         if not over:
             return
-        self._pending = [entry for entry in self._pending if not all(w.is_completed() for w in entry[1])]
+        self._pending = pending
         for peer, works, _ in over:
             for work in works:
                 try:
