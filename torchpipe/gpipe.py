@@ -10,6 +10,7 @@ from torchpipe.compiling import CompileOptions, compile_layers, compile_options
 from torchpipe.microbatch import Batch
 from torchpipe.partition import BalanceError, cut, place, resolve_devices, verify_balance, verify_module
 from torchpipe.pipelined import Pipelined
+from torchpipe.recompute import RecomputeLike, describe_recompute, verify_recompute
 from torchpipe.runtime import Runner, Stages, Step
 from torchpipe.runtime.boundary import is_differentiable
 from torchpipe.runtime.function import Layout, PipelineFunction
@@ -44,6 +45,11 @@ class GPipe(Pipelined):
         chunks: the number of micro-batches.
         checkpoint: ``'always'``, ``'except_last'`` (every micro-batch but the
             last) or ``'never'``.
+        recompute: what a checkpointed micro-batch recomputes: ``'full'`` (its
+            whole partition), ``'selective'`` (all but the outputs of matrix
+            multiplications, attention and collectives, which its forward
+            keeps), or ``policy(op) -> bool`` (keep that operator's output);
+            see [Note: selective recomputation].
         deferred_batch_norm: update BatchNorm running statistics once per
             mini-batch, as the plain module would, not once per micro-batch.
         compile: True, or a dict of ``torch.compile`` keyword arguments: each
@@ -53,7 +59,8 @@ class GPipe(Pipelined):
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: bad ``chunks`` or ``checkpoint``, a missing ``balance``, or
+        ValueError: bad ``chunks``, ``checkpoint`` or ``recompute`` (other than
+            ``'full'`` with ``checkpoint='never'``), a missing ``balance``, or
             a module that repeats a layer or shares a parameter between layers.
         BalanceError: ``balance`` does not fit ``module``.
         IndexError: fewer devices than partitions.
@@ -80,11 +87,13 @@ class GPipe(Pipelined):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         compile: CompileOptions = False,
+        recompute: RecomputeLike = "full",
     ) -> None:
         super().__init__()
         chunks = microbatch.verify_chunks(chunks)
         compiled = compile_options(compile)
         checkpoint = verify_checkpoint(checkpoint)
+        policy = verify_recompute(recompute, checkpoint)
         verify_module(module)
         balance = verify_balance(module, balance)
         resolved = resolve_devices(devices, len(balance))
@@ -106,6 +115,8 @@ class GPipe(Pipelined):
         )
         placed.share(shared_stages(stages, ties))
         placed.tied_copies = [group for group in copies if len(group) > 1]
+        placed.recompute = policy
+        self.recompute = recompute
         self._runner = Runner(placed, lambda microbatches: gpipe(microbatches, len(stages)), inline_backward=True)
 
     # --- container protocol over the original layers ---------------------------------------------
@@ -202,7 +213,8 @@ class GPipe(Pipelined):
 
     def extra_repr(self) -> str:
         return f"balance={self.balance}, devices={[str(d) for d in self.devices]}, chunks={self.chunks}, " \
-            f"checkpoint={self.checkpoint!r}"
+            f"checkpoint={self.checkpoint!r}" + (f", recompute={describe_recompute(self.recompute)!r}"
+                                                 if self.recompute != "full" else "")
 
 
 def _output_flags(step: Step, results: List[Batch]) -> Tuple[bool, ...]:

@@ -1,7 +1,5 @@
 """The Pipeline module: a training step that owns the loss, so that it can run any schedule."""
-import datetime
 import math
-import os
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, cast
 
@@ -14,12 +12,11 @@ from torchpipe.checkpoint import checkpoint_stop, verify_checkpoint
 from torchpipe.clip import Exchange
 from torchpipe.compiling import CompileOptions, compile_layers, compile_options
 from torchpipe.distributed import tensor_parallel as parallelism
-from torchpipe.distributed.agree import verify_agreement
 from torchpipe.distributed.backend import DistributedBackend
 from torchpipe.distributed.channel import Channel, PipelineError
 from torchpipe.distributed.dtensors import like
 from torchpipe.distributed.mesh import parse_mesh
-from torchpipe.distributed.setup import connect_stages
+from torchpipe.distributed.setup import connect_stages, open_channel
 from torchpipe.distributed.tensor_parallel import TensorParallelPlan
 from torchpipe.partition import (
     cut,
@@ -29,6 +26,7 @@ from torchpipe.partition import (
     verify_module,
 )
 from torchpipe.pipelined import Pipelined
+from torchpipe.recompute import RecomputeLike, describe_recompute, verify_recompute
 from torchpipe.runtime import Runner, Stages, weight_grad
 from torchpipe.runtime.backend import Backend
 from torchpipe.runtime.local import LocalBackend
@@ -81,6 +79,8 @@ class Pipeline(Pipelined):
             (``loss_fn`` must average over its micro-batch, as PyTorch's losses
             do by default); ``'sum'``: the micro-batches' losses are added.
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``, as for GPipe.
+        recompute: ``'full'``, ``'selective'`` or ``policy(op) -> bool``: what a
+            checkpointed micro-batch recomputes, as for GPipe.
         devices: one device per stage (per worker for several stages per worker:
             the loop-placed and V-shaped names and custom schedules), as for GPipe.
         group: a ``torch.distributed`` process group to run one worker per
@@ -166,12 +166,15 @@ class Pipeline(Pipelined):
         loss_weight: Optional[Callable[[Any], Any]] = None,
         compile: CompileOptions = False,
         tensor_parallel: Optional[TensorParallelPlan] = None,
+        recompute: RecomputeLike = "full",
+        memory_limit: Optional[int] = None,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int):
             raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
         chunks = microbatch.verify_chunks(chunks)
         checkpoint = verify_checkpoint(checkpoint)
+        policy = verify_recompute(recompute, checkpoint)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if loss_weight is not None and not callable(loss_weight):
@@ -216,35 +219,18 @@ class Pipeline(Pipelined):
             worker_devices = resolve_devices(devices, workers)
             local = set(range(len(balance)))
         else:
-            device = _rank_device(devices)
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # NCCL and the caching allocator follow the current device
-            self._channel = Channel(
-                group, device, timeout=datetime.timedelta(minutes=30),
-                mesh_ranks=None if on_mesh is None else on_mesh.ranks,
-                replica=0 if on_mesh is None else on_mesh.replica,
-                replicas=1 if on_mesh is None else on_mesh.replicas,
-                lane=0 if on_mesh is None else on_mesh.lane,
-                lanes=1 if on_mesh is None else on_mesh.lanes,
-            )
-            self._channel.tp_mesh = None if on_mesh is None else on_mesh.tp_mesh
             # Before anything that depends on them: every rank was given the same (see [Note: ranks agree]).
-            verify_agreement(self._channel, module, {
+            self._channel = open_channel(group, devices, on_mesh, module, {
                 "balance": list(balance), "chunks": chunks,
                 "schedule": schedule if isinstance(schedule, str) else str(schedule_for(chunks)),
-                "checkpoint": checkpoint, "loss_reduction": loss_reduction,
-                "loss_weight": "a function" if loss_weight is not None else None,
+                "checkpoint": checkpoint, "recompute": describe_recompute(recompute),
+                "loss_reduction": loss_reduction, "loss_weight": "a function" if loss_weight is not None else None,
                 "deferred_batch_norm": deferred_batch_norm,
                 "data_parallel": None if on_mesh is None else on_mesh.mode,
                 "tensor_parallel": parallelism.describe_plan(tensor_parallel),
-            })
-            if self._channel.size != workers:
-                raise ValueError(
-                    f"the schedule has {workers} workers but the process group has {self._channel.size} ranks; "
-                    f"a Pipeline across processes runs one worker per rank ({len(balance)} stages: "
-                    + ("a multiple, at least 2, of the ranks)" if schedule_for(chunks).name == "interleaved_1f1b"
-                       else "one per rank)")
-                )
+                "memory_limit": memory_limit,
+            }, workers=workers, stages=len(balance), interleaved=schedule_for(chunks).name == "interleaved_1f1b")
+            device = self._channel.device
             worker_devices = [device] * workers
             local = set(schedule_for(chunks).stages_of(self._channel.rank))
         stage_devices = [worker_devices[w] for w in stage_workers]
@@ -289,6 +275,7 @@ class Pipeline(Pipelined):
             name=f"Pipeline(balance={balance}, schedule={self.schedule_name!r})",
         )
         placed.share(shared_stages(stages, ties))
+        placed.recompute, self.recompute = policy, recompute
         if on_mesh is not None and on_mesh.tp_mesh is not None:
             placed.action_context = parallelism.action_context(stages)
         self._runner = Runner(placed, schedule_for)
@@ -480,16 +467,6 @@ class Pipeline(Pipelined):
         )
 
 
-
-
-def _rank_device(devices: Optional[Sequence[Device]]) -> torch.device:
-    """This rank's device: ``devices[0]`` if given, else ``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
-    if devices is not None:
-        resolved = resolve_devices(devices, 1)
-        return resolved[0]
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _rows(input: Optional[TensorOrTensors]) -> int:

@@ -26,6 +26,8 @@ class Pipelined(nn.Module):
     devices: List[torch.device]
     chunks: int
     checkpoint: str
+    #: What a checkpointed micro-batch recomputes: ``'full'``, ``'selective'`` or a policy.
+    recompute: Any = "full"
     deferred_batch_norm: bool
     #: What a message calls the placed parts (``'partitions'``, ``'stages'``) and the user's handle (``'g'``).
     _parts = "stages"

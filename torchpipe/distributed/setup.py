@@ -1,21 +1,60 @@
-"""What a rank's stages share with other ranks, set up when a multi-process Pipeline is made: replicas and tp ranks
-that start equal, tied copies that start equal, and the hooks that reduce their gradients at the end of every
-step."""
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+"""A multi-process Pipeline's setting up: the channel to the other ranks, which checks that every rank was given
+the same; then what a rank's stages share with other ranks: replicas and tp ranks that start equal, tied copies
+that start equal, and the hooks that reduce their gradients at the end of every step."""
+import datetime
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from torchpipe.distributed.agree import verify_agreement
 from torchpipe.distributed.channel import Channel
 from torchpipe.distributed.mesh import MeshLayout
 from torchpipe.distributed.placements import GradientPlacements
 from torchpipe.distributed.reduce import GradientReducer, TiedGroup
 from torchpipe.distributed.shard import ShardedStages, shard_stages
 from torchpipe.distributed.tensor_parallel import replicated
+from torchpipe.partition import resolve_devices
 from torchpipe.runtime import Runner
 from torchpipe.runtime.ties import Tie
+from torchpipe.types import Device
 
-__all__ = ["connect_stages"]
+__all__ = ["open_channel", "connect_stages"]
+
+
+def open_channel(
+    group: Any, devices: Optional[Sequence[Device]], mesh: Optional[MeshLayout], module: nn.Sequential,
+    arguments: Mapping[str, Any], *, workers: int, stages: int, interleaved: bool,
+) -> Channel:
+    """This rank's channel to the others of ``group``, on its device (``devices[0]``, else ``cuda:LOCAL_RANK``
+    with CUDA, else the CPU), once every rank has shown it was given the same ``arguments`` and ``module`` (see
+    [Note: ranks agree]) and that the group has one rank per worker of the schedule."""
+    if devices is not None:
+        device = resolve_devices(devices, 1)[0]
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and the caching allocator follow the current device
+    channel = Channel(
+        group, device, timeout=datetime.timedelta(minutes=30),
+        mesh_ranks=None if mesh is None else mesh.ranks,
+        replica=0 if mesh is None else mesh.replica,
+        replicas=1 if mesh is None else mesh.replicas,
+        lane=0 if mesh is None else mesh.lane,
+        lanes=1 if mesh is None else mesh.lanes,
+    )
+    channel.tp_mesh = None if mesh is None else mesh.tp_mesh
+    verify_agreement(channel, module, dict(arguments))
+    if channel.size != workers:
+        raise ValueError(
+            f"the schedule has {workers} workers but the process group has {channel.size} ranks; "
+            f"a Pipeline across processes runs one worker per rank ({stages} stages: "
+            + ("a multiple, at least 2, of the ranks)" if interleaved else "one per rank)")
+        )
+    return channel
 
 
 def connect_stages(

@@ -28,6 +28,7 @@ from torch.autograd.profiler import record_function
 from torchpipe import microbatch, trace
 from torchpipe.context import task_context
 from torchpipe.microbatch import Batch
+from torchpipe.recompute import Selective, mutated
 from torchpipe.rng import streams
 from torchpipe.runtime.boundary import alias, copy_leaf, is_differentiable, make_leaves, own_gradients, own_version
 from torchpipe.runtime.skips import StageSkips, received_skips, stashed_roots
@@ -121,15 +122,19 @@ def forward(step: Step, action: Action) -> None:
             # The copy is what the recomputation starts from: a first layer that works in place changes
             # the tensors it is given, not the copy.
             saved = Batch.of([copy_leaf(leaf) for leaf in leaves], atomic)
+            selective = Selective(stages.recompute) if stages.recompute is not None else None
             with torch.no_grad(), task_context(step.keys[i], checkpointing=True, skips=skips):
-                out, loss = _run_stage(step, s, i, Batch.of(leaves, atomic))
+                with selective.first if selective is not None else contextlib.nullcontext():
+                    out, loss = _run_stage(step, s, i, Batch.of(leaves, atomic))
         else:
             saved = Batch.of(leaves, atomic)
             with task_context(step.keys[i], skips=skips):
                 out, loss = _run_stage(step, s, i, Batch.of(_stage_input(step, s, leaves), atomic))
     if step.grad_enabled:
         state = step.states[(s, i)] = StageState(saved)
-        if not checkpointed:
+        if checkpointed:
+            state.selective = selective
+        else:
             state.outputs = out if loss is None else Batch(loss)
         if s == 0 and step.watch_inputs:
             # The caller's tensors, whose in-place change before the backward the plain module would detect
@@ -175,7 +180,22 @@ def recompute(step: Step, action: Action) -> None:
     with step.context.entered(grad_enabled=True), streams(step.seed_for(s, i)):
         with task_context(step.keys[i], recomputing=True, skips=skips):
             inputs = Batch.of(_stage_input(step, s, state.leaves.values), state.leaves.atomic)
-            out, loss = _run_stage(step, s, i, inputs)
+            selective, state.selective = state.selective, None  # what it kept goes with the recomputation
+            if selective is None:
+                out, loss = _run_stage(step, s, i, inputs)
+            else:
+                try:
+                    with selective.again:
+                        out, loss = _run_stage(step, s, i, inputs)
+                except RuntimeError as error:
+                    if not mutated(error):
+                        raise
+                    raise RuntimeError(
+                        f"{stages.noun} {s} (layers {stages.layer_names(s)}) changed in place an output that "
+                        "selective recomputation keeps (a matrix multiplication's, say, followed by "
+                        "nn.ReLU(inplace=True)), so its recomputation cannot take it back; make that layer work "
+                        "out of place, or use recompute='full'"
+                    ) from error
     state.outputs = out if loss is None else Batch(loss)
 
 

@@ -66,6 +66,9 @@ class Stages:
         #: What every action of a stage runs under (None: nothing), such as DTensor's implicit replication for
         #: a tensor-parallel stage of traced layers (see [Note: tensor parallel stages]).
         self.action_context: Optional[Callable[[], ContextManager[Any]]] = None
+        #: ``policy(op)``: what a checkpointed micro-batch keeps of its forward (None: nothing but its input; see
+        #: [Note: selective recomputation]).
+        self.recompute: Optional[Callable[[Any], bool]] = None
         self._shared: List[List[int]] = []
         self._workers: Optional[WorkerGroup] = None
         self._copy_streams: Optional[List[AbstractStream]] = None

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from torchpipe.context import MicroBatch
 from torchpipe.microbatch import Batch
+from torchpipe.recompute import Selective
 from torchpipe.rng import may_draw, step_seed, task_seed
 from torchpipe.runtime.boundary import takes_leaves
 from torchpipe.runtime.loss import Loss
@@ -70,7 +71,7 @@ class Plan(NamedTuple):
 class StageState:
     """What the actions of one (stage, micro-batch) keep for each other."""
 
-    __slots__ = ("leaves", "outputs", "versions", "weight")
+    __slots__ = ("leaves", "outputs", "versions", "weight", "selective")
 
     def __init__(self, leaves: Batch) -> None:
         #: The tensors the stage's graph starts from (a copy, when the forward was checkpointed).
@@ -81,6 +82,8 @@ class StageState:
         self.versions: Optional[List[Tuple[Tensor, int]]] = None
         #: After a backward-input action: what the backward-weight action needs.
         self.weight: Optional[WeightGradient] = None
+        #: For a selectively recomputed forward: what it kept, until its recomputation.
+        self.selective: Optional[Selective] = None
 
 
 class StageHooks:
