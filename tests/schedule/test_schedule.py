@@ -346,3 +346,37 @@ def test_a_v_for_too_few_workers_or_stages_says_what_fits() -> None:
         build("zbv", 4, 1)
     with pytest.raises(ValueError, match="at least 2: 2 or 4"):
         build("dualpipev", 4, 3)
+
+
+# --- peak bytes ---------------------------------------------------------------------------------------------
+
+
+@given(st.integers(1, 12), st.integers(1, 5), st.lists(st.integers(0, 1 << 30), min_size=5, max_size=5))
+def test_peak_bytes_weigh_each_held_pair_by_its_stages_size(m: int, p: int, sizes: List[int]) -> None:
+    sizes = sizes[:p]
+    assert simulate(gpipe(m, p), sizes=sizes).peak_bytes == tuple(float(m * size) for size in sizes)
+    assert simulate(one_f_one_b(m, p), sizes=sizes).peak_bytes == tuple(
+        float(min(m, p - w) * sizes[w]) for w in range(p))
+    # Equal sizes: the pairs' count times the size, for any schedule.
+    run = simulate(zero_bubble(m, p), SPLIT_UNIT, sizes=[7] * p)
+    assert run.peak_bytes == tuple(7.0 * held for held in run.peak_activations)
+
+
+def test_peak_bytes_per_micro_batch_and_recomputed_graphs() -> None:
+    # 1F1B on 2 workers, 4 micro-batches: worker 0 holds micro-batches 0 and 1, then 1 and 2, then 2 and 3.
+    run = simulate(one_f_one_b(4, 2), sizes=[[1, 10, 100, 1000], 5])
+    assert run.peak_bytes == (1100.0, 5.0)
+    # Every micro-batch checkpointed: its input (1 byte) from F to B, its graph (50) from R to B, one at a time.
+    recomputing = with_recomputation(one_f_one_b(4, 2), lambda s, i: True)
+    assert simulate(recomputing, sizes=[1, 1], recomputed=[50, 50]).peak_bytes == (52.0, 51.0)
+
+
+def test_peak_bytes_need_sizes_for_every_stage() -> None:
+    with pytest.raises(ValueError, match=r"simulate\(\.\.\., sizes="):
+        _ = simulate(gpipe(2, 2)).peak_bytes
+    with pytest.raises(ValueError, match=r"sizes needs one entry per stage \(2\)"):
+        simulate(gpipe(2, 2), sizes=[1])
+    with pytest.raises(ValueError, match=r"sizes\[1\] must be bytes"):
+        simulate(gpipe(2, 2), sizes=[1, -1])
+    with pytest.raises(ValueError, match=r"sizes\[0\] has 3 figures for the schedule's 2 micro-batches"):
+        simulate(gpipe(2, 2), sizes=[[1, 2, 3], 1])

@@ -25,7 +25,16 @@ Example::
     0.2
 """
 from torchpipe.schedule.actions import Action, ActionLike, Kind, Schedule, parse
-from torchpipe.schedule.check import DEFAULT_COSTS, Costs, Simulation, clock_cycles, dependencies, simulate, validate
+from torchpipe.schedule.check import (
+    DEFAULT_COSTS,
+    Costs,
+    Simulation,
+    Sizes,
+    clock_cycles,
+    dependencies,
+    simulate,
+    validate,
+)
 from torchpipe.schedule.generate import (
     LOOPED,
     NAMES,
@@ -46,7 +55,8 @@ from torchpipe.schedule.vshape import dualpipe_v, v_stage_workers, zbv
 
 __all__ = [
     "Kind", "Action", "ActionLike", "Schedule", "parse",  # the data
-    "dependencies", "validate", "simulate", "Simulation", "clock_cycles", "Costs", "DEFAULT_COSTS",  # the checks
+    "dependencies", "validate", "simulate", "Simulation", "clock_cycles", "Costs", "Sizes",  # the checks
+    "DEFAULT_COSTS",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble", "looped_bfs", "interleaved_zero_bubble",  # generators
     "zbv", "dualpipe_v", "v_stage_workers", "with_recomputation", "choose_split", "build", "merge_backwards",
     "NAMES", "LOOPED", "V_SHAPED", "SPLITTING",  # the names Pipeline(schedule=...) takes, by placement

@@ -15,8 +15,8 @@ actions it depends on have ended (plus a communication delay between
 workers). It gives the step time, each worker's busy time and the bubble
 fraction, and finds deadlocks.
 """
-from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
 
@@ -28,10 +28,14 @@ __all__ = [
     "clock_cycles",
     "DEFAULT_COSTS",
     "Costs",
+    "Sizes",
 ]
 
 #: Per-action costs for :func:`simulate`: a cost per kind, or a function of the action.
 Costs = Union[Mapping[Kind, float], Callable[[Action], float]]
+
+#: Per stage, the bytes it holds for a micro-batch: one figure for all its micro-batches, or one per micro-batch.
+Sizes = Sequence[Union[float, Sequence[float]]]
 
 #: A backward costs about twice a forward; its two halves about a forward each.
 DEFAULT_COSTS: Mapping[Kind, float] = {
@@ -177,6 +181,12 @@ class Simulation:
             return 0.0
         return 1.0 - sum(self.busy) / (len(self.busy) * self.step_time)
 
+    #: Per stage, the bytes it holds per micro-batch from its ``F`` to its ``B`` or ``W`` (``sizes=`` of
+    #: :func:`simulate`; empty: not given).
+    sizes: Tuple[Tuple[float, ...], ...] = field(default=(), repr=False)
+    #: Per stage, the bytes a recomputation's graph adds from its ``R`` to its ``B`` or ``W`` (``recomputed=``).
+    recomputed: Tuple[Tuple[float, ...], ...] = field(default=(), repr=False)
+
     @property
     def peak_activations(self) -> Tuple[int, ...]:
         """Per worker, the most (stage, micro-batch) pairs whose activations it holds at once, in virtual time.
@@ -187,9 +197,31 @@ class Simulation:
         worker ``m``. A pair held until an instant and one held from it do not
         overlap; at one instant the worker's actions count in their order, so a
         pair held for no time (by actions that cost nothing) still counts.
-        Stages of different sizes count alike: weigh the count by the stage's
-        activation size where they differ.
+        Stages of different sizes count alike: :attr:`peak_bytes` weighs them.
         """
+        return tuple(int(peak) for peak in self._peaks(lambda s, i: 1.0, None))
+
+    @property
+    def peak_bytes(self) -> Tuple[float, ...]:
+        """Per worker, the most bytes it holds at once: each pair held as in :attr:`peak_activations`, weighed
+        by its stage's size for the micro-batch (``sizes=``), and a recomputed pair's graph from its ``R`` on
+        (``recomputed=``).
+
+        Raises:
+            ValueError: :func:`simulate` was given no ``sizes``.
+        """
+        if not self.sizes:
+            raise ValueError("peak_bytes needs the bytes each stage holds per micro-batch: simulate(..., sizes=[...])")
+
+        def size(table: Tuple[Tuple[float, ...], ...], s: int, i: int) -> float:
+            row = table[s] if s < len(table) else ()
+            return row[0] if len(row) == 1 else row[i]
+
+        return self._peaks(lambda s, i: size(self.sizes, s, i),
+                           (lambda s, i: size(self.recomputed, s, i)) if self.recomputed else None)
+
+    def _peaks(self, held: Callable[[int, int], float], graph: Optional[Callable[[int, int], float]]
+               ) -> Tuple[float, ...]:
         # Each pair's end, and where its worker's list runs what ends it: at one instant (actions that take no
         # time), what ends and starts goes in the worker's order, so a pair held until an action ends before one
         # that a later action starts, and one held for no time still counts.
@@ -198,17 +230,23 @@ class Simulation:
         for action, finish in self.end.items():
             if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                 ends[(action.stage, action.microbatch)] = (finish, position[action])
-        events: List[List[Tuple[float, int, int]]] = [[] for _ in self.busy]
+        events: List[List[Tuple[float, int, float]]] = [[] for _ in self.busy]
         for action, begin in self.start.items():
+            pair = (action.stage, action.microbatch)
             if action.kind is Kind.FORWARD:
-                until, at = ends.get((action.stage, action.microbatch), (self.step_time, len(position)))
-                events[self.stage_workers[action.stage]] += [(begin, position[action], 1), (until, at, -1)]
+                weight = held(*pair)
+            elif action.kind is Kind.RECOMPUTE and graph is not None:
+                weight = graph(*pair)
+            else:
+                continue
+            until, at = ends.get(pair, (self.step_time, len(position)))
+            events[self.stage_workers[action.stage]] += [(begin, position[action], weight), (until, at, -weight)]
         peaks = []
         for worker in events:
-            held = most = 0
+            held_now = most = 0.0
             for _, _, change in sorted(worker):
-                held += change
-                most = max(most, held)
+                held_now += change
+                most = max(most, held_now)
             peaks.append(most)
         return tuple(peaks)
 
@@ -223,7 +261,8 @@ def shorter(step: float, than: float) -> bool:
     return step < than * (1 - 1e-9)
 
 
-def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication: float = 0.0) -> Simulation:
+def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication: float = 0.0,
+             sizes: Optional[Sizes] = None, recomputed: Optional[Sizes] = None) -> Simulation:
     """Runs ``schedule`` in virtual time; raises ``ValueError`` naming the stuck actions if it deadlocks.
 
     Args:
@@ -232,6 +271,9 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
             :data:`DEFAULT_COSTS`: forward 1, backward 2, its halves 1 each,
             recomputation 1), or a function of the action.
         communication: added to a dependency's end when it ran on another worker.
+        sizes: one entry per stage: the bytes it holds per micro-batch from its ``F`` to its ``B`` (or ``W``),
+            one figure, or one per micro-batch; gives :attr:`Simulation.peak_bytes`.
+        recomputed: as ``sizes``, what a recomputed micro-batch's graph adds from its ``R`` to its ``B``.
 
     Example::
 
@@ -240,7 +282,30 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
         0.2727
     """
     cost = cost_function(costs)
-    return play(schedule, lambda action, begin: cost(action), communication)
+    run = play(schedule, lambda action, begin: cost(action), communication)
+    if sizes is None and recomputed is None:
+        return run
+    microbatches = max((a.microbatch + 1 for a in schedule.actions()), default=0)
+    return replace(run, sizes=_sizes(sizes or [0.0] * schedule.stages, schedule.stages, microbatches, "sizes"),
+                   recomputed=(_sizes(recomputed, schedule.stages, microbatches, "recomputed")
+                               if recomputed is not None else ()))
+
+
+def _sizes(sizes: Sizes, stages: int, microbatches: int, name: str) -> Tuple[Tuple[float, ...], ...]:
+    """``sizes`` as one tuple of bytes per stage; ``ValueError`` for another number of stages or micro-batches,
+    or a bad figure."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or len(sizes) != stages:
+        raise ValueError(f"{name} needs one entry per stage ({stages}), got {sizes!r}")
+    rows: List[Tuple[float, ...]] = []
+    for s, entry in enumerate(sizes):
+        row = tuple(entry) if isinstance(entry, Sequence) else (entry,)
+        if not row or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in row):
+            raise ValueError(f"{name}[{s}] must be bytes (a number >= 0, or one per micro-batch), got {entry!r}")
+        if len(row) not in (1, microbatches):
+            raise ValueError(f"{name}[{s}] has {len(row)} figures for the schedule's {microbatches} micro-batches: "
+                             "give one for all, or one per micro-batch")
+        rows.append(tuple(float(v) for v in row))
+    return tuple(rows)
 
 
 def cost_function(costs: Optional[Costs]) -> Callable[[Action], float]:
