@@ -29,6 +29,7 @@ from torchpipe.pipelined import Pipelined
 from torchpipe.recompute import RecomputeLike, describe_recompute, verify_recompute
 from torchpipe.runtime import Runner, Stages, weight_grad
 from torchpipe.runtime.backend import Backend
+from torchpipe.runtime.held import MemoryReport, report
 from torchpipe.runtime.local import LocalBackend
 from torchpipe.runtime.loss import LossSpec, without_backward
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
@@ -326,6 +327,17 @@ class Pipeline(Pipelined):
     def schedule(self) -> Schedule:
         """The schedule of a step of ``chunks`` micro-batches (without recomputations)."""
         return self._runner.schedule(self.chunks)
+
+    def memory(self) -> MemoryReport:
+        """This rank's stages' bytes per micro-batch, measured on the first training step, and the predicted
+        peak of the schedule this pipeline runs (see [Note: held bytes]); before that step, a report that says
+        nothing was measured yet (``str()`` it to read it)."""
+        stages = self._runner.stages
+        measured = stages.measured
+        shape = measured.shape if measured is not None else (self.chunks, 0)
+        schedule = self._runner.plan(*shape).schedule
+        workers = range(schedule.num_workers) if self._channel is None else [self._channel.rank]
+        return report(measured, schedule, list(workers), self.schedule_name)
 
     # --- steps ---------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ through the step's transport:
 """
 import contextlib
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from torchpipe.microbatch import Batch
 from torchpipe.recompute import Selective, mutated
 from torchpipe.rng import streams
 from torchpipe.runtime.boundary import alias, copy_leaf, is_differentiable, make_leaves, own_gradients, own_version
+from torchpipe.runtime.held import Holding, kept_tensors
 from torchpipe.runtime.skips import StageSkips, received_skips, stashed_roots
 from torchpipe.runtime.step import StageState, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
@@ -117,6 +118,7 @@ def forward(step: Step, action: Action) -> None:
         step.trainable[s] or any(leaf.requires_grad for leaf in leaves)
     )
     skips = StageSkips(step, s, i, checkpointing=checkpointed, recomputing=False) if stages.skip_layout else None
+    holding = Holding(stages.modules[s]) if step.memory is not None and step.grad_enabled else None
     with step.context.entered(), streams(step.seed_for(s, i)):
         if checkpointed:
             # The copy is what the recomputation starts from: a first layer that works in place changes
@@ -128,7 +130,7 @@ def forward(step: Step, action: Action) -> None:
                     out, loss = _run_stage(step, s, i, Batch.of(leaves, atomic))
         else:
             saved = Batch.of(leaves, atomic)
-            with task_context(step.keys[i], skips=skips):
+            with task_context(step.keys[i], skips=skips), _counting(holding):
                 out, loss = _run_stage(step, s, i, Batch.of(_stage_input(step, s, leaves), atomic))
     if step.grad_enabled:
         state = step.states[(s, i)] = StageState(saved)
@@ -136,6 +138,11 @@ def forward(step: Step, action: Action) -> None:
             state.selective = selective
         else:
             state.outputs = out if loss is None else Batch(loss)
+        if holding is not None and step.memory is not None:  # see [Note: held bytes]
+            holding.add(saved.values)
+            holding.add(state.outputs.values if state.outputs is not None else ())
+            holding.add(kept_tensors(state.selective) if state.selective is not None else ())
+            step.memory.forwards[(s, i)] = holding
         if s == 0 and step.watch_inputs:
             # The caller's tensors, whose in-place change before the backward the plain module would detect
             # (their versions are read when the forward phase is over: see Runner.run_forward).
@@ -181,11 +188,13 @@ def recompute(step: Step, action: Action) -> None:
         with task_context(step.keys[i], recomputing=True, skips=skips):
             inputs = Batch.of(_stage_input(step, s, state.leaves.values), state.leaves.atomic)
             selective, state.selective = state.selective, None  # what it kept goes with the recomputation
+            holding = Holding(stages.modules[s]) if step.memory is not None else None
             if selective is None:
-                out, loss = _run_stage(step, s, i, inputs)
+                with _counting(holding):
+                    out, loss = _run_stage(step, s, i, inputs)
             else:
                 try:
-                    with selective.again:
+                    with selective.again, _counting(holding):
                         out, loss = _run_stage(step, s, i, inputs)
                 except RuntimeError as error:
                     if not mutated(error):
@@ -197,6 +206,14 @@ def recompute(step: Step, action: Action) -> None:
                         "out of place, or use recompute='full'"
                     ) from error
     state.outputs = out if loss is None else Batch(loss)
+    if holding is not None and step.memory is not None:
+        holding.add(state.outputs.values)
+        step.memory.recomputations[(s, i)] = holding
+
+
+def _counting(holding: Optional[Holding]) -> ContextManager[object]:
+    """What autograd saves, counted into ``holding`` (nothing counted without one)."""
+    return holding.hooks() if holding is not None else contextlib.nullcontext()
 
 
 def _check_input_versions(state: StageState, i: int) -> None:
@@ -308,6 +325,8 @@ def _split(
 def backward(step: Step, action: Action) -> None:
     """``sBi``: the backward of stage ``s``'s graph for micro-batch ``i``."""
     s, i = action.stage, action.microbatch
+    if step.memory is not None:
+        step.memory.finish(s, i)
     state = step.states.pop((s, i))
     _check_input_versions(state, i)
     roots, grads = _output_roots(step, s, i, state)
@@ -348,6 +367,8 @@ def backward(step: Step, action: Action) -> None:
 def backward_input(step: Step, action: Action) -> None:
     """``sIi``: the gradients of stage ``s``'s inputs (and popped skips) for micro-batch ``i``; graph kept."""
     s, i = action.stage, action.microbatch
+    if step.memory is not None:
+        step.memory.finish(s, i)
     state = step.states[(s, i)]
     roots, grads = _output_roots(step, s, i, state)
     inputs, popped = _inputs(step, s, i, state)

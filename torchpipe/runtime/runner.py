@@ -25,6 +25,7 @@ from torchpipe import waits
 from torchpipe.microbatch import Batch
 from torchpipe.runtime.driver import lifecycle
 from torchpipe.runtime.executor import execute
+from torchpipe.runtime.held import Measured
 from torchpipe.runtime.stages import Stages
 from torchpipe.runtime.step import Loss, Plan, StageHooks, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, LocalTransport, Message, Transport
@@ -113,6 +114,12 @@ class Runner:
             sequence=sequence,
         )
         step.transport = transport(plan) if transport is not None else LocalTransport(self.stages, streams)
+        measured = self.stages.measured
+        if trains and (measured is None or not measured.complete or measured.shape != (len(batches), checkpoint_stop)):
+            # See [Note: held bytes]: measured on the first training step (and again for another shape).
+            local = [(a.stage, a.microbatch) for a in plan.schedule.actions()
+                     if a.kind is Kind.FORWARD and self.stages.modules[a.stage] is not None]
+            step.memory = self.stages.measured = Measured(local, (len(batches), checkpoint_stop))
         return step
 
     # --- phases ----------------------------------------------------------------------------------------

@@ -69,6 +69,8 @@ class Stages:
         #: ``policy(op)``: what a checkpointed micro-batch keeps of its forward (None: nothing but its input; see
         #: [Note: selective recomputation]).
         self.recompute: Optional[Callable[[Any], bool]] = None
+        #: The latest training step's measurement of what its forwards held (see [Note: held bytes]).
+        self.measured: Optional[Any] = None
         self._shared: List[List[int]] = []
         self._workers: Optional[WorkerGroup] = None
         self._copy_streams: Optional[List[AbstractStream]] = None

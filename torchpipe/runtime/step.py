@@ -15,6 +15,7 @@ from torchpipe.microbatch import Batch
 from torchpipe.recompute import Selective
 from torchpipe.rng import may_draw, step_seed, task_seed
 from torchpipe.runtime.boundary import takes_leaves
+from torchpipe.runtime.held import Measured
 from torchpipe.runtime.loss import Loss
 from torchpipe.runtime.stages import Stages
 from torchpipe.runtime.transport import Edge, Transport, sends
@@ -170,6 +171,8 @@ class Step:
         self.streams = streams
         #: When measuring (see [Note: zero-bubble split]): each action's duration, by (stage, kind).
         self.timings: Optional[Timings] = None
+        #: What this step's forwards hold until their backwards, where it is measured (see [Note: held bytes]).
+        self.memory: Optional[Measured] = None
         #: The step's number across processes (the same on every rank); None in one process.
         self.sequence = sequence
         #: The micro-batches' inputs (on the first stage's rank; None elsewhere across processes).

@@ -1,0 +1,186 @@
+"""What each (stage, micro-batch) holds from its forward to its backward, in bytes, measured on a training step.
+
+[Note: held bytes] A Pipeline's first training step measures, per (stage, micro-batch) of this rank, the bytes
+of the tensors its forward leaves for its backward: what autograd saved (counted through
+``torch.autograd.graph.saved_tensors_hooks``), the stage's input leaves and its outputs, each storage once, the
+stage's parameters and buffers left out. They are counted when the backward starts, so an output released once
+sent (see [Note: released outputs]) counts nothing. A checkpointed micro-batch holds its input's copy and what
+selective recomputation kept (see [Note: selective recomputation]); its recomputation's graph, counted the same
+way, is held from its ``R`` to its ``B`` only, one micro-batch at a time on a worker. These are the ``sizes``
+and ``recomputed`` of :func:`~torchpipe.schedule.simulate`, whose ``peak_bytes`` predict a schedule's peak.
+What a step holds beside them (parameters, their gradients, the message buffers in flight, a backward's own
+temporaries, the allocator's slack) is not counted: the prediction is of activation bytes.
+"""
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from torchpipe.runtime.release import local
+from torchpipe.schedule import Schedule, simulate
+
+__all__ = ["Holding", "Measured", "MemoryReport", "kept_tensors", "report"]
+
+
+def _storage(tensor: Tensor) -> Optional[Tuple[int, Any]]:
+    """``tensor``'s storage as (where, storage); None for one without its own (a wrapper subclass, meta)."""
+    inner = local(tensor)
+    if type(inner) is not Tensor and not isinstance(inner, nn.Parameter) or inner.is_meta:
+        return None
+    try:
+        held = inner.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return int(held.data_ptr()), held
+
+
+class Holding:
+    """The storages one forward (or recomputation) of a (stage, micro-batch) keeps for its backward."""
+
+    __slots__ = ("storages", "_left_out")
+
+    def __init__(self, module: Optional[nn.Module]) -> None:
+        self.storages: Dict[int, Tuple[Any, int]] = {}
+        self._left_out: Set[int] = set()
+        tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
+        for tensor in tensors:
+            found = _storage(tensor)
+            if found is not None:
+                self._left_out.add(found[0])
+
+    def hooks(self) -> ContextManager[Any]:
+        """Counts what autograd saves while entered."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        self.add([tensor])
+        return tensor
+
+    def add(self, tensors: Iterable[Any]) -> None:
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                continue
+            found = _storage(tensor)
+            if found is None or found[0] in self._left_out or found[0] == 0:
+                continue
+            where, storage = found
+            # A view counts its own elements, not its base's (a micro-batch of the caller's input).
+            seen = local(tensor)
+            size = seen.numel() * seen.element_size()
+            _, most = self.storages.get(where, (storage, 0))
+            self.storages[where] = (storage, max(most, size))
+
+    def bytes(self, besides: Optional["Holding"] = None) -> int:
+        """The bytes held (as they are now: a released storage counts nothing), each storage once, less those
+        that ``besides`` holds too."""
+        skip = besides.storages if besides is not None else {}
+        return sum(min(int(storage.nbytes()), size) for where, (storage, size) in self.storages.items()
+                   if where not in skip)
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def kept_tensors(selective: Any) -> Iterator[Tensor]:
+    """The tensors a selective forward kept for its recomputation (in its first context's storage)."""
+    stack: List[Any] = [getattr(getattr(selective, "first", None), "storage", None)]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, dict):
+            stack += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack += list(value)
+        elif hasattr(value, "val"):  # a cached output, wrapped
+            stack.append(value.val)
+
+
+class Measured:
+    """One training step's measurement on this rank: per (stage, micro-batch), the bytes its forward held until
+    its backward, and what its recomputation's graph added (see [Note: held bytes])."""
+
+    def __init__(self, pairs: Sequence[Tuple[int, int]], shape: Tuple[int, int]) -> None:
+        #: The (stage, micro-batch) pairs of this rank the step runs forwards of.
+        self.pairs = tuple(pairs)
+        #: The step's micro-batches and checkpointed micro-batches (``checkpoint_stop``).
+        self.shape = shape
+        self.forwards: Dict[Tuple[int, int], Holding] = {}
+        self.recomputations: Dict[Tuple[int, int], Holding] = {}
+        #: Per pair: the bytes from its ``F`` to its ``B`` (or ``I``), counted at the backward's start.
+        self.held: Dict[Tuple[int, int], int] = {}
+        #: Per recomputed pair: the bytes its recomputation's graph added, from its ``R`` to its ``B``.
+        self.recomputed: Dict[Tuple[int, int], int] = {}
+
+    @property
+    def complete(self) -> bool:
+        """Whether every pair's backward started (a step that failed half-way measured only some)."""
+        return bool(self.pairs) and all(pair in self.held for pair in self.pairs)
+
+    def finish(self, s: int, i: int) -> None:
+        """Counts the pair's bytes as its backward starts."""
+        forward = self.forwards.pop((s, i), None)
+        if forward is None:
+            return
+        self.held[(s, i)] = forward.bytes()
+        graph = self.recomputations.pop((s, i), None)
+        if graph is not None:
+            self.recomputed[(s, i)] = graph.bytes(besides=forward)
+
+    def stage_sizes(self, stages: int, microbatches: int) -> Tuple[List[List[float]], List[List[float]]]:
+        """``sizes`` and ``recomputed`` for :func:`~torchpipe.schedule.simulate` (0 for the stages of other
+        ranks)."""
+        held = [[float(self.held.get((s, i), 0)) for i in range(microbatches)] for s in range(stages)]
+        again = [[float(self.recomputed.get((s, i), 0)) for i in range(microbatches)] for s in range(stages)]
+        return held, again
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What :meth:`torchpipe.Pipeline.memory` tells: this rank's stages' measured bytes per micro-batch and the
+    predicted peak of the schedule the pipeline runs (see [Note: held bytes])."""
+
+    #: The schedule the prediction is for.
+    schedule: str
+    #: Per stage of this rank: the bytes each micro-batch held from its forward to its backward (empty: nothing
+    #: measured yet).
+    held: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
+    #: Per stage of this rank: the bytes each micro-batch's recomputation added until its backward (0: none).
+    recomputed: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
+    #: Per worker of this rank: the most activation bytes it holds at once, predicted by
+    #: :attr:`~torchpipe.schedule.Simulation.peak_bytes` from the figures above.
+    predicted_peak: Dict[int, int] = field(default_factory=dict)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.held)
+
+    def __str__(self) -> str:
+        if not self.measured:
+            return (f"nothing measured yet: the bytes each stage holds per micro-batch are measured on the first "
+                    f"training step (schedule {self.schedule!r})")
+        lines = [f"schedule {self.schedule!r}, bytes held per micro-batch from its forward to its backward:"]
+        for s, held in self.held.items():
+            most = max(self.recomputed.get(s, (0,)), default=0)
+            extra = f" (+ {most} while recomputed)" if most else ""
+            lines.append(f"  stage {s}: {', '.join(str(b) for b in held)}{extra}")
+        lines += [f"  predicted peak of worker {w}: {peak} bytes" for w, peak in self.predicted_peak.items()]
+        return "\n".join(lines)
+
+
+def report(measured: Optional[Measured], schedule: Schedule, workers: Sequence[int], name: str) -> MemoryReport:
+    """The report of ``measured`` for ``schedule`` (with its recomputations) on ``workers``."""
+    if measured is None or not measured.complete:
+        return MemoryReport(name)
+    microbatches = measured.shape[0]
+    held, again = measured.stage_sizes(schedule.stages, microbatches)
+    peaks = simulate(schedule, sizes=held, recomputed=again).peak_bytes
+    local = sorted({s for s, _ in measured.pairs})
+    return MemoryReport(
+        name,
+        {s: tuple(int(b) for b in held[s]) for s in local},
+        {s: tuple(int(b) for b in again[s]) for s in local},
+        {w: int(peaks[w]) for w in workers},
+    )
