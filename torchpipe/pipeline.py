@@ -34,7 +34,7 @@ from torchpipe.runtime.local import LocalBackend
 from torchpipe.runtime.loss import LossSpec, without_backward
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.schedule import SPLITTING, Schedule
-from torchpipe.schedule.auto import AutoTuner
+from torchpipe.schedule.auto import AutoTuner, verify_memory_limit
 from torchpipe.schedule.measured import Timings, Tuner
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.schedule.split import SplitTuner
@@ -176,6 +176,7 @@ class Pipeline(Pipelined):
         chunks = microbatch.verify_chunks(chunks)
         checkpoint = verify_checkpoint(checkpoint)
         policy = verify_recompute(recompute, checkpoint)
+        limit = verify_memory_limit(memory_limit, schedule)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if loss_weight is not None and not callable(loss_weight):
@@ -209,7 +210,8 @@ class Pipeline(Pipelined):
         #: A zero-bubble schedule's placement, from the costs of its first steps ([Note: zero-bubble split]).
         self._tuner: Optional[Tuner] = None
         if schedule == "auto":  # see [Note: auto schedule]
-            self._tuner = AutoTuner(len(balance), workers, chunks, splitting=weight_grad.supported())
+            self._tuner = AutoTuner(len(balance), workers, chunks, splitting=weight_grad.supported(),
+                                    memory_limit=limit)
             schedule_for = self._tuner.plan
         if schedule == "zero_bubble":
             self._tuner = SplitTuner(len(balance))
@@ -277,6 +279,8 @@ class Pipeline(Pipelined):
         )
         placed.share(shared_stages(stages, ties))
         placed.recompute, self.recompute = policy, recompute
+        if isinstance(self._tuner, AutoTuner):  # see [Note: held bytes]
+            self._tuner.footprint_source = lambda: placed.measured.footprint() if placed.measured else None
         if on_mesh is not None and on_mesh.tp_mesh is not None:
             placed.action_context = parallelism.action_context(stages)
         self._runner = Runner(placed, schedule_for)

@@ -348,3 +348,63 @@ def test_a_pipeline_runs_the_choice_and_stays_transparent(balance: list, devices
 def test_auto_on_a_placement_without_a_schedule_says_what_fits() -> None:
     with pytest.raises(ValueError, match="schedule='auto' has no built-in schedule for 3 stages on 2 workers"):
         Pipeline(model_for(6), [2, 2, 2], chunks=2, schedule="auto", devices=["cpu", "cpu"])
+
+
+# --- memory_limit= ------------------------------------------------------------------------------------------
+
+
+def _footprint(first: float, second: float, m: int = 8) -> auto.Footprint:
+    return auto.Footprint({(s, i): (first, second)[s] for s in range(2) for i in range(m)})
+
+
+def test_memory_limit_takes_the_fastest_schedule_that_fits() -> None:
+    # Zero-bubble is the fastest at the paper's costs, and its last worker holds two micro-batches where 1F1B's
+    # holds one: a limit between the two keeps 1F1B, a larger one zero-bubble; 1F1B's peak is the first worker's
+    # two micro-batches of 10 bytes against the last one's 100.
+    costs = lambda s, k: PAPER[k]  # noqa: E731
+    free = auto.choose(2, 2, 8, costs)
+    assert free.name == "zero_bubble"
+    roomy = auto.choose(2, 2, 8, costs, footprint=_footprint(10, 100), memory_limit=1000)
+    assert roomy.name == "zero_bubble" and dict(roomy.peak_bytes) == {"zero_bubble": 200, "1f1b": 100, "gpipe": 800}
+    tight = auto.choose(2, 2, 8, costs, footprint=_footprint(10, 100), memory_limit=150)
+    assert tight.name == "1f1b" and tight.memory_limit == 150
+    with pytest.raises(ValueError, match=r"no schedule within memory_limit=99 bytes per worker: the smallest "
+                                         r"predicted peak is 100 bytes \('1f1b'.*checkpoint='always'.*recompute="):
+        auto.choose(2, 2, 8, costs, footprint=_footprint(10, 100), memory_limit=99)
+
+
+def test_recomputed_graphs_count_one_at_a_time() -> None:
+    footprint = auto.Footprint({(s, i): 1.0 for s in range(2) for i in range(4)},
+                               {(s, i): 50.0 for s in range(2) for i in range(4)})
+    assert footprint.peak(build("gpipe", 4, 2)) == 4 + 50
+    assert footprint.peak(build("1f1b", 4, 2)) == 2 + 50
+
+
+def test_a_pipeline_with_memory_limit_chooses_within_it_or_refuses_on_its_first_step() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8), torch.nn.Tanh())
+    x, y = torch.randn(32, 8), torch.randn(32, 8)
+    roomy = Pipeline(copy.deepcopy(module), [2, 2], chunks=8, schedule="auto", memory_limit=1 << 30, loss_fn=mse,
+                     devices=["cpu", "cpu"])
+    roomy.step(x, y)
+    held = roomy.memory().held
+    one_f_one_b = max(2 * held[0][0], held[1][0])
+    # Just enough for 1F1B: never GPipe, whose first worker holds all eight micro-batches.
+    tight = Pipeline(copy.deepcopy(module), [2, 2], chunks=8, schedule="auto", memory_limit=one_f_one_b,
+                     loss_fn=mse, devices=["cpu", "cpu"])
+    tight.step(x, y)
+    assert tight.schedule_name in ("1f1b", "zero_bubble")
+    assert max(tight.memory().predicted_peak.values()) <= one_f_one_b
+    too_small = Pipeline(copy.deepcopy(module), [2, 2], chunks=8, schedule="auto", memory_limit=100, loss_fn=mse,
+                         devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"no schedule within memory_limit=100 bytes.*smallest predicted peak"):
+        too_small.step(x, y)
+
+
+def test_memory_limit_is_checked_as_the_pipeline_is_made() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="memory_limit= is what schedule='auto' chooses a schedule within"):
+        Pipeline(module, [1, 1], schedule="1f1b", memory_limit=1000, devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="memory_limit must be a positive number of bytes"):
+        Pipeline(module, [1, 1], schedule="auto", memory_limit=0, devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="memory_limit must be a number of bytes"):
+        Pipeline(module, [1, 1], schedule="auto", memory_limit="1GB", devices=["cpu", "cpu"])  # type: ignore[arg-type]

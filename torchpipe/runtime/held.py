@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from torchpipe.runtime.release import local
 from torchpipe.schedule import Schedule, simulate
+from torchpipe.schedule.auto import Footprint
 
 __all__ = ["Holding", "Measured", "MemoryReport", "kept_tensors", "report"]
 
@@ -128,6 +129,13 @@ class Measured:
         graph = self.recomputations.pop((s, i), None)
         if graph is not None:
             self.recomputed[(s, i)] = graph.bytes(besides=forward)
+
+    def footprint(self) -> Optional[Footprint]:
+        """The measurement as ``'auto'`` chooses by (None if the step did not finish)."""
+        if not self.complete:
+            return None
+        return Footprint({k: float(v) for k, v in self.held.items()},
+                         {k: float(v) for k, v in self.recomputed.items()})
 
     def stage_sizes(self, stages: int, microbatches: int) -> Tuple[List[List[float]], List[List[float]]]:
         """``sizes`` and ``recomputed`` for :func:`~torchpipe.schedule.simulate` (0 for the stages of other

@@ -20,7 +20,7 @@ the plain module's at every step, the measuring one included.
 """
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import cost_function, shorter, simulate
@@ -45,7 +45,8 @@ from torchpipe.schedule.measured import (
 from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
-__all__ = ["Choice", "choose", "calibrate_overhead", "candidates", "placement_names", "one_map",
+__all__ = ["Choice", "Footprint", "verify_memory_limit", "choose", "calibrate_overhead", "candidates",
+           "placement_names", "one_map",
            "measuring_schedule", "typical", "with_relayouts", "AutoTuner"]
 
 logger = logging.getLogger("torchpipe")
@@ -194,6 +195,10 @@ class Choice:
     overhead: float = 0.0
     #: The costs it chose by, per action, the overhead included (the default costs where None).
     costs: Optional[Callable[[Action], float]] = field(default=None, repr=False, compare=False)
+    #: With ``footprint``: per candidate, name and the busiest worker's predicted peak activation bytes.
+    peak_bytes: Tuple[Tuple[str, float], ...] = ()
+    #: The most bytes a worker may hold (``memory_limit=``; None: the bound is :attr:`limit` activations).
+    memory_limit: Optional[float] = None
 
     def build(self, microbatches: int, stages: int, workers: int) -> Schedule:
         """The chosen schedule for ``microbatches``, as it runs (see :func:`choose`)."""
@@ -201,16 +206,46 @@ class Choice:
                       self.communication)
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What each (stage, micro-batch) holds, in bytes (see [Note: held bytes] in ``runtime/held.py``)."""
+
+    #: Per (stage, micro-batch): the bytes from its ``F`` to its ``B`` (or ``W``).
+    held: Mapping[Tuple[int, int], float]
+    #: Per recomputed (stage, micro-batch): the bytes its recomputation's graph adds until its ``B``.
+    recomputed: Mapping[Tuple[int, int], float] = field(default_factory=dict)
+
+    def peak(self, schedule: Schedule) -> float:
+        """The busiest worker's predicted peak bytes under ``schedule`` (its recomputations added)."""
+        m, stages = schedule.microbatches, schedule.stages
+        recomputing = with_recomputation(schedule, lambda s, i: (s, i) in self.recomputed)
+
+        def row(table: Mapping[Tuple[int, int], float], s: int) -> List[float]:
+            known = [v for (stage, _), v in table.items() if stage == s]
+            return [float(table.get((s, i), max(known, default=0.0))) for i in range(m)]
+
+        run = simulate(recomputing, {kind: 1.0 for kind in Kind}, sizes=[row(self.held, s) for s in range(stages)],
+                       recomputed=[row(self.recomputed, s) for s in range(stages)])
+        return max(run.peak_bytes, default=0.0)
+
+
 def choose(
     stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True,
     communication: float = 0.0, overhead: float = 0.0, names: Optional[Iterable[str]] = None,
+    footprint: Optional[Footprint] = None, memory_limit: Optional[float] = None,
 ) -> Choice:
-    """The fastest built-in schedule of the placement for ``costs(stage, kind)`` within 1F1B's memory.
+    """The fastest built-in schedule of the placement for ``costs(stage, kind)`` within 1F1B's memory, or within
+    ``memory_limit`` bytes per worker.
 
     ``splitting`` False leaves out the schedules that split backwards; ``communication`` is added to every
     dependency on another worker's action (a message's time), ``overhead`` to every action's cost (the time a
     worker spends around it: :func:`calibrate_overhead`); ``names`` chooses among those schedules instead of the
-    placement's (all on one map: :func:`one_map`). Pure: the same costs give the same choice.
+    placement's (all on one map: :func:`one_map`). With ``footprint`` and ``memory_limit``, a schedule fits if
+    its busiest worker's predicted peak bytes (:meth:`Footprint.peak`) are at most the limit, which replaces the
+    bound of 1F1B's activations. Pure: the same costs give the same choice.
+
+    Raises:
+        ValueError: with ``memory_limit``, no schedule fits; the message names the smallest prediction.
 
     Example::
 
@@ -221,6 +256,7 @@ def choose(
     """
     limit = stages
     table: List[Tuple[str, float, int]] = []
+    predicted: List[Tuple[str, float]] = []
     split: Optional[List[bool]] = None
 
     def charged(stage: int, kind: Kind) -> float:
@@ -232,15 +268,30 @@ def choose(
     for name in candidates(stages, workers, splitting=splitting, names=names):
         if name == "zero_bubble":
             split = choose_split(microbatches, stages, charged, communication=communication)
-        run = simulate(_build(name, microbatches, stages, workers, split, cost, communication), cost,
-                       communication=communication)
+        built = _build(name, microbatches, stages, workers, split, cost, communication)
+        run = simulate(built, cost, communication=communication)
         table.append((name, run.step_time, max(run.peak_activations)))
-    fewest = min(held for _, _, held in table)
-    fitting = [row for row in table if row[2] <= max(limit, fewest)]  # if none fits, the ones that hold the fewest
+        if footprint is not None:
+            predicted.append((name, footprint.peak(built)))
+    if memory_limit is not None and footprint is not None:
+        fits = {name for name, peak in predicted if peak <= memory_limit}
+        if not fits:
+            name, peak = min(predicted, key=lambda row: row[1])
+            raise ValueError(
+                f"schedule='auto' found no schedule within memory_limit={memory_limit:.0f} bytes per worker: the "
+                f"smallest predicted peak is {peak:.0f} bytes ({name!r}; every candidate: "
+                + ", ".join(f"{n} {b:.0f}" for n, b in predicted)
+                + "). Hold less per micro-batch: checkpoint='always' or 'except_last', recompute='full' or "
+                "'selective', more chunks, or raise memory_limit"
+            )
+        fitting = [row for row in table if row[0] in fits]
+    else:
+        fewest = min(held for _, _, held in table)
+        fitting = [row for row in table if row[2] <= max(limit, fewest)]  # if none fits, those that hold the fewest
     fastest = min(step for _, step, _ in fitting)
     best = next(row for row in fitting if not shorter(fastest, row[1]))  # the first of equal steps: the preference
     return Choice(best[0], split if best[0] == "zero_bubble" else None, tuple(table), limit, communication, overhead,
-                  cost)
+                  cost, tuple(predicted), memory_limit if footprint is not None else None)
 
 
 def measuring_schedule(stages: int, workers: int, microbatches: int, *, splitting: bool = True,
@@ -261,12 +312,32 @@ def measuring_schedule(stages: int, workers: int, microbatches: int, *, splittin
     return replace(measuring, name="auto")
 
 
+def verify_memory_limit(memory_limit: Any, schedule: Any) -> Optional[float]:
+    """``memory_limit=`` of a Pipeline as bytes (None: not given).
+
+    Raises:
+        TypeError: it is not a number.
+        ValueError: it is not positive, or the schedule is not ``'auto'`` (a named or custom schedule holds what
+            it holds: the limit is what ``'auto'`` chooses within).
+    """
+    if memory_limit is None:
+        return None
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
+        raise TypeError(f"memory_limit must be a number of bytes, got {memory_limit!r}")
+    if not memory_limit > 0:
+        raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
+    if schedule != "auto":
+        raise ValueError(f"memory_limit= is what schedule='auto' chooses a schedule within; schedule={schedule!r} "
+                         "holds what it holds (pipe.memory() predicts it after a step): use schedule='auto'")
+    return float(memory_limit)
+
+
 class AutoTuner:
     """``schedule='auto'`` in a Pipeline: the measuring schedule for the first training step, then the choice
     (see [Note: auto schedule])."""
 
     def __init__(self, stages: int, workers: int, chunks: int, *, splitting: bool = True,
-                 names: Optional[Iterable[str]] = None) -> None:
+                 names: Optional[Iterable[str]] = None, memory_limit: Optional[float] = None) -> None:
         #: The schedules it measures on the map of and chooses among (None: the placement's, see
         #: :func:`placement_names`).
         self.names: Optional[List[str]] = None if names is None else one_map(names, stages, workers)
@@ -280,6 +351,11 @@ class AutoTuner:
         #: (:func:`with_relayouts`), not to every action.
         self.relayout = 0.0
         self.choice: Optional[Choice] = None
+        #: The most bytes a worker may hold (None: no more activations than 1F1B's).
+        self.memory_limit = memory_limit
+        #: What this rank's (stage, micro-batch) pairs held on the measuring step: ``(held, recomputed)``, read
+        #: as it ends (set by the Pipeline: see [Note: held bytes]).
+        self.footprint_source: Optional[Callable[[], Optional[Footprint]]] = None
 
     @property
     def decided(self) -> bool:
@@ -318,15 +394,42 @@ class AutoTuner:
                                    if relayouts_measured else 0.0)
         schedule, own = self._measured_step(durations)
         overhead = calibrate_overhead(schedule, with_relayouts(schedule, own, relayout), max(spans, default=0.0))
+        footprint = self._footprint(exchange) if self.memory_limit is not None else None
         choice = self.choice = choose(self.stages, self.workers, self.chunks, self.cost, splitting=self.splitting,
-                                      overhead=overhead, names=self.names)
-        steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
-                          for name, step, peak in choice.table)
+                                      overhead=overhead, names=self.names, footprint=footprint,
+                                      memory_limit=self.memory_limit)
+        if choice.memory_limit is not None:
+            bytes_of = dict(choice.peak_bytes)
+            steps = ", ".join(f"{name} {step:.3g} ({bytes_of[name]:.0f} bytes)" for name, step, _ in choice.table)
+        else:
+            steps = ", ".join(f"{name} {step:.3g}{'' if peak <= choice.limit else ' (holds ' + str(peak) + ')'}"
+                              for name, step, peak in choice.table)
         logger.info("schedule='auto' chose %r for %d stages on %d workers and %d micro-batches (simulated steps "
                     "from the measured costs and %.3g around each action, the first step's relayout of %.3g a message "
-                    "aside: %s; at most %d activations per worker)", choice.name, self.stages,
-                    self.workers, self.chunks, overhead, relayout, steps, choice.limit)
+                    "aside: %s; at most %s per worker)", choice.name, self.stages, self.workers, self.chunks,
+                    overhead, relayout, steps, f"{choice.limit} activations" if choice.memory_limit is None
+                    else f"{choice.memory_limit:.0f} bytes")
         return True
+
+    def _footprint(self, exchange: Optional[Exchange]) -> Footprint:
+        """Every rank's measured bytes per (stage, micro-batch), as one footprint (a collective across ranks)."""
+        mine = self.footprint_source() if self.footprint_source is not None else None
+        values: List[float] = []
+        if mine is not None:
+            for (s, i), held in mine.held.items():
+                values += [float(s), float(i), float(held), float(mine.recomputed.get((s, i), -1.0))]
+        held_by: Dict[Tuple[int, int], float] = {}
+        recomputed: Dict[Tuple[int, int], float] = {}
+        for record in (exchange(values) if exchange is not None else [values]):
+            for k in range(0, len(record) - 3, 4):
+                pair = (int(record[k]), int(record[k + 1]))
+                held_by[pair] = record[k + 2]
+                if record[k + 3] >= 0:
+                    recomputed[pair] = record[k + 3]
+        if not held_by:
+            raise ValueError("memory_limit= chooses by the bytes the first training step measured, and it measured "
+                             "none: a step with a backward measures them")
+        return Footprint(held_by, recomputed)
 
     def record_trial(self, seconds: float, exchange: Optional[Exchange] = None, rows: int = 0) -> bool:
         """Never called: ``'auto'`` measures until it decides, and tries nothing."""
