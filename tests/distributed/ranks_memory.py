@@ -1,4 +1,5 @@
 """What each rank runs in the tests of activation memory across processes: a step's peak resident set."""
+import copy
 import ctypes
 import gc
 from typing import Any, Dict, List
@@ -54,3 +55,29 @@ def step_peaks(rank: int, world: int, schedule: str, chunks: int, checkpoint: st
             peaks.append((_peak_rss() - start) / MiB)
         pipe.zero_grad()
     return {"peak": sorted(peaks)[len(peaks) // 2], "output": rows * width * 4 / MiB}
+
+
+def planned(rank: int, world: int, memory_limit: float, recompute: str = "full") -> Dict[str, Any]:
+    """A Pipeline of ``schedule='auto'`` within ``memory_limit`` bytes: what each rank chose and measured, its
+    loss and gradients against the plain module's (or the error of its first step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8), nn.Linear(8, 64), nn.Tanh(),
+                          nn.Linear(64, 8)).double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(32, 8, dtype=torch.float64), torch.randn(32, 8, dtype=torch.float64)
+    pipe = Pipeline(model, [3, 3], chunks=8, schedule="auto", memory_limit=memory_limit, loss_fn=F.mse_loss,
+                    checkpoint="never" if recompute == "full" else "always", recompute=recompute,
+                    group=torch.distributed.group.WORLD)
+    before = str(pipe.memory())
+    first = rank == pipe.schedule.stage_workers[0]
+    try:
+        loss = pipe.step(x if first else None, y if not first else None)
+    except ValueError as error:
+        return {"error": str(error)}
+    expected = F.mse_loss(plain(x), y)
+    expected.backward()
+    grads = {name: (p.grad - dict(plain.named_parameters())[name].grad).abs().max().item()
+             for name, p in pipe.named_parameters()}
+    report = pipe.memory()
+    return {"before": before, "schedule": pipe.schedule_name, "held": report.held, "peak": report.predicted_peak,
+            "loss": abs(loss.item() - expected.item()), "grads": max(grads.values())}

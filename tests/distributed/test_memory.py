@@ -26,3 +26,25 @@ def test_the_first_stage_keeps_no_output_it_has_sent_under_gpipe() -> None:
     if "skip" in first:
         pytest.skip(first["skip"])
     assert first["peak"] < 12 * first["output"], first
+
+
+def test_memory_limit_chooses_alike_on_every_rank_from_every_ranks_bytes() -> None:
+    # Enough for 1F1B's peak but not GPipe's: every rank chooses the same schedule, within the limit on its own
+    # worker, from both ranks' measured bytes; loss and gradients are the plain module's.
+    roomy = ok(launch("tests.distributed.ranks_memory:planned", 2, timeout=240, memory_limit=1 << 30))
+    assert all("nothing measured yet" in r["before"] for r in roomy)
+    first_stage = roomy[0]["held"][0][0]  # bytes per micro-batch of stage 0, on rank 0
+    limit = max(2 * first_stage, roomy[1]["held"][1][0])
+    results = ok(launch("tests.distributed.ranks_memory:planned", 2, timeout=240, memory_limit=limit))
+    assert len({r["schedule"] for r in results}) == 1 and results[0]["schedule"] != "gpipe", results
+    for rank, result in enumerate(results):
+        assert result["peak"][rank] <= limit, result
+        assert result["loss"] < 1e-12 and result["grads"] < 1e-12, result
+
+
+def test_memory_limit_too_small_is_the_same_error_on_every_rank() -> None:
+    results = ok(launch("tests.distributed.ranks_memory:planned", 2, timeout=240, memory_limit=100,
+                        recompute="selective"))
+    for result in results:
+        assert "no schedule within memory_limit=100 bytes" in result["error"], result
+        assert "smallest predicted peak" in result["error"]
