@@ -96,6 +96,7 @@ BENCHMARKS: List[Benchmark] = [
         "paper": [],
         "tiny": ["--quick", "--configs", "torchpipe 1f1b", "pipelining Schedule1F1B", "torchpipe auto"],
     }),
+    Benchmark("stage_memory", {"small": ["--rounds", "5"], "paper": [], "tiny": ["--quick"]}),
     Benchmark("mesh", {"small": ["--rounds", "5"], "paper": [], "tiny": ["--quick", "--models", "wide"]},
               common=["--quiet"]),
     Benchmark("tensor_parallel", {"small": ["--rounds", "9"], "paper": [], "tiny": ["--quick"]}),
