@@ -7,8 +7,9 @@ step adds the peak resident set above its start on its rank (``VmHWM`` reset thr
 before the step, minus the resident set then), with every block above 64 KiB from ``mmap`` so that freed
 tensors leave the resident set at once; the table gives its median over rounds. What a configuration keeps
 between steps (parameters; buffers a library allocates once, such as pipelining's receive buffers) is the
-resident set its set-up and first step left; its peak is the two together. Beside it: the step time (median,
-ms), and torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (activation bytes: what autograd
+resident set its set-up and first step left; its peak is the two together. Beside it: the step time and the
+rank's CPU time in the step (medians, ms; with every large block from ``mmap`` a step pays a page fault per
+allocation, so ``distributed.py`` is where speed is measured), and torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (activation bytes: what autograd
 keeps, the stages' inputs and outputs), and what the step adds over it. What the prediction leaves out
 (gradients of the parameters, made during the step; message buffers in flight; a backward's temporaries) is
 the excess. ``vs pipelining``: per rank, pipelining's peak over torchpipe's for the same schedule (> 1:
@@ -56,7 +57,7 @@ CONFIGS: List[Config] = [
 ]
 RIVALS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 HEADERS = ["configuration", "rank", "kept MiB", "step adds MiB", "peak MiB", "vs pipelining", "predicted MiB",
-           "step adds / predicted", "step ms"]
+           "step adds / predicted", "step ms", "CPU ms"]
 
 
 def name_of(config: Config) -> str:
@@ -167,6 +168,7 @@ def rank_main(rank: int, rounds: int, blocks: int, width: int, rows: int, chunks
         kept[name_of(config)] = (_rss() - before) / MiB
     peaks: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
     times: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
+    cpus: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
     for round_ in range(rounds):
         for k in range(len(CONFIGS)):
             config = CONFIGS[(k + round_) % len(CONFIGS)]
@@ -174,18 +176,20 @@ def rank_main(rank: int, rounds: int, blocks: int, width: int, rows: int, chunks
             dist.barrier()
             _reset_peak()
             start_rss = _rss()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             runners[config].step(x, y)
-            elapsed = time.perf_counter() - started
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
             peak = _peak_rss() - start_rss
             dist.barrier()
             peaks[name_of(config)].append(peak / MiB)
             times[name_of(config)].append(elapsed * 1e3)
+            cpus[name_of(config)].append(cpu * 1e3)
     result = {name_of(c): {"kept_mib": kept[name_of(c)],
                            "step_mib": statistics.median(peaks[name_of(c)]),
                            "peak_mib": kept[name_of(c)] + statistics.median(peaks[name_of(c)]),
                            "peaks_mib": peaks[name_of(c)],
                            "step_ms": statistics.median(times[name_of(c)]),
+                           "cpu_ms": statistics.median(cpus[name_of(c)]),
                            "predicted_mib": (None if runners[c].predicted(rank) is None
                                              else runners[c].predicted(rank) / MiB)}
               for c in CONFIGS}
@@ -216,7 +220,7 @@ def rows_of(ranks: Sequence[Mapping[str, Any]]) -> List[List[Any]]:
             predicted = r["predicted_mib"]
             ratio = r["step_mib"] / predicted if predicted else None
             rows.append([name, rank, r["kept_mib"], r["step_mib"], r["peak_mib"], versus, predicted, ratio,
-                         r["step_ms"]])
+                         r["step_ms"], r["cpu_ms"]])
     return rows
 
 
@@ -251,7 +255,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           "kept between steps); step adds: the median over rounds of the resident set a step adds above that; "
           "peak: the two together; vs pipelining: pipelining's same schedule's peak / torchpipe's, > 1: torchpipe "
           "holds less; predicted: pipe.memory()'s predicted activation bytes for the rank; step adds / predicted: "
-          "above 1 by what the prediction leaves out, parameter gradients and message buffers among it)")
+          "above 1 by what the prediction leaves out, parameter gradients and message buffers among it; step ms: "
+          "the step's median time with every large block from mmap, which charges each allocation its page faults "
+          "(distributed.py measures speed); CPU ms: the rank's CPU time in the step, all its threads, where a "
+          "recomputation shows whether or not it overlaps a wait)")
     figures = {"ranks": ranks, "rounds": args.rounds, "model": [args.blocks, args.width, args.rows, args.chunks]}
     if args.json:
         save_json(args.json, figures)

@@ -221,3 +221,33 @@ def test_one_gpipe_on_a_gpu_trained_from_several_threads_gets_every_gradient() -
     for p, q in zip(plain.parameters(), piped.parameters()):
         assert torch.allclose(q.grad.cpu(), p.grad, atol=1e-4)
     assert not process_lease().held
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_an_output_copied_off_its_gpu_is_released_and_the_gradients_stay(schedule: str) -> None:
+    # The first stage ends in a Linear, whose output nothing saves: once copied to the CPU, its GPU memory goes
+    # (the copy stream was recorded on it), and the stage keeps only its graph for the backward.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 256), nn.Linear(256, 4))
+    from torchpipe import Pipeline
+    from torchpipe.runtime import release as released
+
+    pipe = Pipeline(copy.deepcopy(plain), [1, 1], chunks=4, schedule=schedule, loss_fn=nn.functional.mse_loss,
+                    devices=["cuda:0", "cpu"])
+    freed: List[int] = []
+    original = released.release
+
+    def counting(tensors: List[Tensor]) -> None:
+        freed.extend(t.numel() for t in tensors)
+        original(tensors)
+
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("torchpipe.runtime.transport.release", counting)
+        loss = pipe.step(x, y)
+    assert freed == [8 * 256] * 4
+    expected = nn.functional.mse_loss(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for p, q in zip(plain.parameters(), pipe.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5)

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Sequenc
 from torch import Tensor
 
 from torchpipe import trace, transfer
+from torchpipe.runtime.release import releasable, release
 from torchpipe.runtime.stages import Stages
 from torchpipe.schedule import Action, Kind
 from torchpipe.skip.layout import SkipLayout
@@ -223,7 +224,13 @@ class LocalTransport:
         return message._replace(tensors=tensors)
 
     def release(self, edge: Edge, outputs: Sequence[Tensor], others: Sequence[Tensor]) -> None:
-        pass  # in one process the message is the outputs themselves, or a copy in flight on a stream
+        # On one device the message is the outputs themselves. From a GPU to another device it is a copy,
+        # queued on the source's copy stream, on which the send recorded the outputs: the caching allocator
+        # reuses their memory only once that copy is over, so the outputs may go now (see [Note: released
+        # outputs]). A copy from host memory may still read it, unrecorded: kept.
+        source, target = self.stages.devices[edge.source], self.stages.devices[edge.target]
+        if source != target and source.type == "cuda":
+            release(releasable(outputs, others))
 
     def abort(self) -> None:
         self.mailbox.abort()
