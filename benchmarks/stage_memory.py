@@ -2,19 +2,20 @@
 on the same model and schedule, and ``recompute='selective'`` against ``'full'`` and no checkpoint.
 
 Two gloo ranks on 127.0.0.1, one stage each: a stack of blocks (Linear 4x wide, GELU, Linear back, LayerNorm),
-MSE loss, ``--chunks`` micro-batches. In every round each configuration runs one step (the order rotating); a
-step adds the peak resident set above its start on its rank (``VmHWM`` reset through ``/proc/self/clear_refs``
-before the step, minus the resident set then), with every block above 64 KiB from ``mmap`` so that freed
-tensors leave the resident set at once; the table gives its median over rounds. What a configuration keeps
-between steps (parameters; buffers a library allocates once, such as pipelining's receive buffers) is the
-resident set its set-up and first step left; its peak is the two together. Beside it: the step time and the
-rank's CPU time in the step (medians, ms; with every large block from ``mmap`` a step pays a page fault per
-allocation, so ``distributed.py`` is where speed is measured), and torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (activation bytes: what autograd
-keeps, the stages' inputs and outputs), and what the step adds over it. What the prediction leaves out
-(gradients of the parameters, made during the step; message buffers in flight; a backward's temporaries) is
-the excess. ``vs pipelining``: per rank, pipelining's peak over torchpipe's for the same schedule (> 1:
-torchpipe holds less). pipelining has no checkpointing of its own; the recomputation rows are
-torchpipe's, ``'full'`` and ``'selective'`` against torchpipe's ``1f1b`` without checkpoint.
+MSE loss, ``--chunks`` micro-batches. In every round each configuration runs one step (the order rotating). What
+a step adds is the peak resident set above its start on its rank (``VmHWM`` reset through
+``/proc/self/clear_refs`` before the step, minus the resident set then), with every block above 64 KiB from
+``mmap`` so that freed tensors leave the resident set at once; the table gives its median over rounds. What a
+configuration keeps between steps (parameters; buffers a library allocates once, such as pipelining's receive
+buffers) is the resident set its set-up and first step left; its peak is the two together. ``vs pipelining``:
+per rank, pipelining's peak over torchpipe's for the same schedule (> 1: torchpipe holds less). Beside them:
+torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (activation bytes: what autograd keeps,
+the stages' inputs and outputs), and what the step adds over it; what the prediction leaves out (gradients of
+the parameters, made during the step; message buffers in flight; a backward's temporaries) is the excess. Then
+the step time and the rank's CPU time in the step (medians, ms): with every large block from ``mmap`` a step pays
+a page fault per allocation, so ``distributed.py`` is where speed is measured; the CPU time shows what a
+recomputation costs whether or not it fills a wait. pipelining has no checkpointing of its own: the recomputation
+rows are torchpipe's, ``'full'`` and ``'selective'`` against its ``1f1b`` without checkpoint.
 
     python benchmarks/stage_memory.py [--rounds 5] [--width 256] [--rows 256] [--blocks 2] [--chunks 8]
         [--json out.json] [--quick]

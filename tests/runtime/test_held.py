@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tests.models import grads_of

@@ -55,3 +55,21 @@ def test_a_graph_too_large_to_look_at_keeps_its_outputs() -> None:
     for _ in range(LOOKED_AT):
         second = second + 1
     assert releasable([first, second]) == []
+
+
+def test_in_one_process_an_output_goes_only_once_copied_off_a_gpu() -> None:
+    # The transport's rule, with the devices the stages are said to be on (the tensors stay on the CPU): from a
+    # GPU to another device the message is a copy the copy stream was recorded on; on one device, or from host
+    # memory, the message is (or still reads) the output itself.
+    from types import SimpleNamespace
+
+    from torchpipe.runtime.transport import Edge, EdgeKind, LocalTransport
+
+    layer = nn.Linear(4, 3)
+    edge = Edge(EdgeKind.ACTIVATION, 0, 0, 1)
+    for devices, freed in ((["cuda:0", "cpu"], True), (["cuda:0", "cuda:1"], True), (["cpu", "cpu"], False),
+                           (["cpu", "cuda:0"], False), (["cuda:0", "cuda:0"], False)):
+        transport = LocalTransport(SimpleNamespace(devices=[torch.device(d) for d in devices]), [])  # type: ignore[arg-type]
+        out = layer(torch.randn(5, 4))
+        transport.release(edge, [out], [])
+        assert (out.untyped_storage().nbytes() == 0) is freed, devices
