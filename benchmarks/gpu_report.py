@@ -55,9 +55,10 @@ def schedules_table(results: Mapping[str, Any]) -> List[str]:
                    timing_rows(results.get("rows", []), ("schedule", "stages")))
     checks = results.get("checks", {})
     if checks:
-        lines += ["", *table(["schedule", "loss", "plain loss", "loss rel. diff", "largest grad rel. err"],
+        lines += ["", *table(["schedule", "loss", "plain loss", "loss rel. diff", "largest grad rel. err",
+                              "predicted activation MiB"],
                              [[name, number(c["loss"], 6), number(c["plain_loss"], 6), scientific(c["loss_rel_diff"]),
-                               scientific(c["grad_max_rel_err"])]
+                               scientific(c["grad_max_rel_err"]), number(c.get("predicted_mib"), 1)]
                               for name, c in checks.items()])]
     split = results.get("split_backward")
     if split:

@@ -382,21 +382,26 @@ SPLIT_BACKWARD_ROUNDS = 20
 
 
 def schedule_unit(child: Child, name: str, module: nn.Sequential, x: Tensor, y: Tensor, loss: float,
-                  grads: Mapping[str, Tensor]) -> Step:
-    """A two-worker Pipeline of ``name`` checked against the plain module's loss and gradients, and its step."""
+                  grads: Mapping[str, Tensor], checkpoint: str = "never", recompute: str = "full") -> Step:
+    """A two-worker Pipeline of ``name`` checked against the plain module's loss and gradients, and its step;
+    with ``checkpoint``, named ``'<name> checkpoint=<checkpoint> recompute=<recompute>'``."""
     from torchpipe.schedule.split import TUNING_STEPS
 
     stages = 2 * STAGES_PER_WORKER.get(name, 1)
     pipe = torchpipe.Pipeline(copy.deepcopy(module), models.even_balance(len(module), stages), chunks=CHUNKS,
-                              schedule=name, loss_fn=F.mse_loss, devices=[child.device, child.device])
+                              schedule=name, loss_fn=F.mse_loss, devices=[child.device, child.device],
+                              checkpoint=checkpoint, recompute=recompute)
+    if checkpoint != "never":
+        name = f"{name} checkpoint={checkpoint} recompute={recompute}"
     got = float(pipe.step(x, y))
+    predicted = sum(pipe.memory().predicted_peak.values())  # both workers: one GPU
     # A Pipeline names its parameters as the plain Sequential does ("3.weight"); one without a gradient: inf.
     errors = {key: relative_error(p.grad, grads[key]) if p.grad is not None and key in grads else math.inf
               for key, p in pipe.named_parameters()}
     worst = max(errors.values(), default=math.inf)
     loss_rel_diff = abs(got - loss) / abs(loss)
     check = {"stages": stages, "loss": finite(got), "plain_loss": loss, "loss_rel_diff": finite(loss_rel_diff),
-             "grad_max_rel_err": finite(worst)}
+             "grad_max_rel_err": finite(worst), "predicted_mib": predicted / MiB}
     child.results.setdefault("checks", {})[name] = check
     if not (loss_rel_diff <= FLOAT32_RTOL and worst <= FLOAT32_RTOL):  # NaN fails too
         child.error(name, f"the Pipeline's loss {got:.6g} or gradients differ from the plain module's (loss "
@@ -431,6 +436,12 @@ def run_schedules(child: Child) -> None:
         step = child.attempt(name, functools.partial(schedule_unit, child, name, module, x, y, float(loss), grads))
         if step is not None:
             steps[name] = step
+    for recompute in ("full", "selective"):  # the memory and time of recomputation, against 1f1b's
+        label = f"1f1b checkpoint=always recompute={recompute}"
+        step = child.attempt(label, functools.partial(schedule_unit, child, "1f1b", module, x, y, float(loss),
+                                                      grads, "always", recompute))
+        if step is not None:
+            steps[label] = step
     measured = measure_steps(child, "schedules", steps)
     checks = child.results.get("checks", {})
     child.results["rows"] = [

@@ -82,13 +82,19 @@ def test_the_dry_run_writes_a_report_with_every_section_and_its_figures(tmp_path
     results = sections["schedules"]["results"]
     from torchpipe.schedule import LOOPED, NAMES, V_SHAPED
 
-    assert [row["schedule"] for row in results["rows"]] == [PLAIN, BY_HAND, *NAMES]
+    recomputing = [f"1f1b checkpoint=always recompute={recompute}" for recompute in ("full", "selective")]
+    assert [row["schedule"] for row in results["rows"]] == [PLAIN, BY_HAND, *NAMES, *recomputing]
     assert all(positive(row["step_ms"]) for row in results["rows"])
-    assert set(results["checks"]) == set(NAMES)
+    assert set(results["checks"]) == set(NAMES) | set(recomputing)
     for name, check in results["checks"].items():
         assert check["loss_rel_diff"] <= gpu_sections.FLOAT32_RTOL, (name, check)
         assert check["grad_max_rel_err"] is not None and check["grad_max_rel_err"] <= gpu_sections.FLOAT32_RTOL
         assert check["stages"] == (4 if name in LOOPED + V_SHAPED else 2), "two stages per worker there"
+        assert check["predicted_mib"] > 0, (name, check)  # pipe.memory()'s prediction, both workers
+    # In the prediction full recomputation holds the least, and selective more (the Linear outputs it keeps; in
+    # this ReLU MLP as many as no checkpoint holds, since ReLU saves its result, not its input).
+    predicted = {name: results["checks"][name]["predicted_mib"] for name in ["1f1b", *recomputing]}
+    assert predicted[recomputing[0]] < min(predicted[recomputing[1]], predicted["1f1b"]), predicted
     # ... and one zbv stage's split backward against its one backward (where zbv's CPU time goes, asked of a GPU).
     split = results["split_backward"]
     assert {"one backward", "split", "pipelining"} <= set(split["ratios"]) and split["ratios"]["one backward"] == 1

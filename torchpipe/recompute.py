@@ -7,7 +7,9 @@ outputs of the operators the policy names (for ``'selective'``: :data:`KEPT`, th
 and collectives), and the recomputation takes those instead of running them: it runs the norms, activations and
 elementwise operators again, whose outputs are cheap to make and as large as a matrix multiplication's. So a
 selective micro-batch holds its input and the kept outputs from its forward to its recomputation: more than
-``'full'``, less than no checkpoint, and it recomputes less than ``'full'``.
+``'full'``, and it recomputes less. It holds less than no checkpoint where the layers after a kept output save
+what they are given (GELU, SiLU, norms: a transformer's blocks); where they save their result instead (ReLU,
+tanh), the kept outputs are extra, and a selective micro-batch holds about as much as one not checkpointed.
 
 Both passes run under PyTorch's :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`: the first
 forward (without grad) under the context that stores what the policy keeps, the recomputation (with grad, on the
