@@ -237,3 +237,32 @@ def test_selective_with_compiled_layers() -> None:
     pipe.step(x)
     for a, b in zip(grads_of(pipe), grads_of(plain)):
         torch.testing.assert_close(a, b)
+
+
+class GradModeDependent(nn.Module):
+    """Runs other operators with grad enabled than without, as DTensor's operators do (a view, then a matmul)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled():
+            x = x.view(x.shape)
+        return torch.tanh(self.linear(x))
+
+
+def test_the_first_forward_runs_the_operators_of_its_recomputation() -> None:
+    # Found with DTensor stages: a first forward without grad ran other operators than its recomputation with
+    # grad, which then found no kept output for an operator of its own ("aten.view.default ... not found in
+    # storage"). Both passes run with grad; the first keeps no graph.
+    torch.manual_seed(0)
+    module = nn.Sequential(*[GradModeDependent(6) for _ in range(4)]).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    plain = copy.deepcopy(module)
+    plain(x).sum().backward()
+    pipe = Pipeline(copy.deepcopy(module), [2, 2], chunks=2, loss_fn=lambda out: out.sum(), loss_reduction="sum",
+                    checkpoint="always", recompute="selective", devices=["cpu", "cpu"])
+    pipe.step(x)
+    for a, b in zip(grads_of(pipe), grads_of(plain)):
+        torch.testing.assert_close(a, b)

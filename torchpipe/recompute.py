@@ -12,18 +12,23 @@ what they are given (GELU, SiLU, norms: a transformer's blocks); where they save
 tanh), the kept outputs are extra, and a selective micro-batch holds about as much as one not checkpointed.
 
 Both passes run under PyTorch's :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`: the first
-forward (without grad) under the context that stores what the policy keeps, the recomputation (with grad, on the
-same random streams, so dropout draws the same mask) under the one that hands the stored outputs back in the
-order they were made. Autograd records the kept operators as usual, so the backward is the plain one. A compiled
+forward under the context that stores what the policy keeps, the recomputation (on the same random streams, so
+dropout draws the same mask) under the one that hands the stored outputs back in the order they were made. So
+both run the same operators in the same order, which is why both run with grad: an operator may run as others
+without it (``matmul`` folds its batch dimensions into one ``mm`` only when nothing requires grad; DTensor's
+operators differ too). The first forward's graph saves nothing (:func:`discarding`), and goes with its outputs.
+Autograd records the kept operators as usual, so the backward is the plain one. A compiled
 layer's operators are not seen one by one: its part of the stage is recomputed whole. A kept output that a later
 operator changes in place (``nn.ReLU(inplace=True)`` after a ``Linear``) cannot be handed back: the recomputation
 raises an error that says so.
 """
+import contextlib
 from typing import Any, Callable, ContextManager, FrozenSet, Optional, Tuple, Union
 
 import torch
 
-__all__ = ["KEPT", "Policy", "RecomputeLike", "Selective", "describe_recompute", "kept", "mutated", "verify_recompute"]
+__all__ = ["KEPT", "Policy", "RecomputeLike", "Selective", "describe_recompute", "discarding", "kept", "mutated",
+           "verify_recompute"]
 
 #: ``policy(op) -> bool``: whether a selective recomputation keeps the output of ``op`` (a
 #: ``torch._ops.OpOverload`` such as ``torch.ops.aten.mm.default``; ``op.overloadpacket`` is ``torch.ops.aten.mm``).
@@ -120,6 +125,23 @@ class Selective:
         self.first: ContextManager[Any]
         self.again: ContextManager[Any]
         self.first, self.again = create_selective_checkpoint_contexts(decide)  # type: ignore[no-untyped-call]
+
+
+def discarding() -> ContextManager[Any]:
+    """Grad enabled, and every tensor autograd would save dropped: a graph made under it has no backward."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.enable_grad())
+    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_drop, _dropped))
+    return stack
+
+
+def _drop(tensor: Any) -> None:
+    return None
+
+
+def _dropped(packed: Any) -> Any:
+    raise RuntimeError("the first forward of a selectively recomputed micro-batch keeps no graph: its backward runs "
+                       "on its recomputation's")
 
 
 def mutated(error: RuntimeError) -> bool:

@@ -113,20 +113,21 @@ def _compare(case: str, pipe: Pipeline, plain: nn.Module, problems: List[str], r
 
 
 def transparency(rank: int, world: int, shape: Sequence[int], names: Sequence[str],
-                 runs: Sequence[Tuple[str, Sequence[int], int, str]], mode: Optional[str] = None) -> List[str]:
-    """Per run (schedule, balance, chunks, checkpoint): two training steps whose replicas' batches differ in size
-    (uneven micro-batches) against the plain module on all of them: the loss on every rank, every gradient,
-    the clipped gradients and the norm (2, then inf), and the parameters after an SGD step."""
+                 runs: Sequence[Sequence[Any]], mode: Optional[str] = None) -> List[str]:
+    """Per run (schedule, balance, chunks, checkpoint[, recompute]): two training steps whose replicas' batches
+    differ in size (uneven micro-batches) against the plain module on all of them: the loss on every rank, every
+    gradient, the clipped gradients and the norm (2, then inf), and the parameters after an SGD step."""
     mesh, dims, replica, position = _where(shape, names)
     dp = dims.get("dp", 1)
     problems: List[str] = []
-    for schedule, balance, chunks, checkpoint in runs:
+    for schedule, balance, chunks, checkpoint, *rest in runs:
+        recompute = rest[0] if rest else "full"
         layers = model()
         plain = copy.deepcopy(layers)
         pipe = Pipeline(layers, list(balance), chunks=chunks, schedule=schedule, loss_fn=lm_loss, mesh=mesh,
-                        data_parallel=mode, tensor_parallel=plan(), checkpoint=checkpoint)
-        problems += _against_plain(f"{schedule} {list(balance)} {checkpoint} {mode}", pipe, plain, dp, replica,
-                                   position)
+                        data_parallel=mode, tensor_parallel=plan(), checkpoint=checkpoint, recompute=recompute)
+        problems += _against_plain(f"{schedule} {list(balance)} {checkpoint} {recompute} {mode}", pipe, plain, dp,
+                                   replica, position)
     return problems
 
 

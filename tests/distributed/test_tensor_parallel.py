@@ -21,9 +21,12 @@ def test_stages_split_over_tp_ranks_give_the_plain_models_loss_and_gradients() -
     # Every built-in schedule and 'auto'. The cuts carry a plain tensor, a local shard between a colwise and a
     # rowwise layer, a DTensor sharded on its last dimension, and a replicated DTensor whose gradient comes back
     # partial; the head is tied to the embedding and its logits stay sharded on the vocabulary (loss_parallel).
-    # Loss, gradients, clipping (2 and inf) and an SGD step equal the plain module's, on uneven micro-batches.
+    # Loss, gradients, clipping (2 and inf) and an SGD step equal the plain module's, on uneven micro-batches;
+    # also where selective recomputation keeps DTensor matmul outputs and collectives' results.
     runs = [
         ("1f1b", [3, 6], 2, "never"),
+        ("1f1b", [3, 6], 2, "always", "selective"),
+        ("zero_bubble", [3, 6], 2, "except_last", "selective"),
         ("gpipe", [5, 4], 3, "always"),
         ("interleaved_1f1b", [2, 2, 2, 3], 2, "never"),
         ("zero_bubble", [3, 6], 2, "except_last"),

@@ -28,7 +28,7 @@ from torch.autograd.profiler import record_function
 from torchpipe import microbatch, trace
 from torchpipe.context import task_context
 from torchpipe.microbatch import Batch
-from torchpipe.recompute import Selective, mutated
+from torchpipe.recompute import Selective, discarding, mutated
 from torchpipe.rng import streams
 from torchpipe.runtime.boundary import alias, copy_leaf, is_differentiable, make_leaves, own_gradients, own_version
 from torchpipe.runtime.held import Holding, kept_tensors
@@ -125,9 +125,12 @@ def forward(step: Step, action: Action) -> None:
             # the tensors it is given, not the copy.
             saved = Batch.of([copy_leaf(leaf) for leaf in leaves], atomic)
             selective = Selective(stages.recompute) if stages.recompute is not None else None
-            with torch.no_grad(), task_context(step.keys[i], checkpointing=True, skips=skips):
-                with selective.first if selective is not None else contextlib.nullcontext():
+            if selective is None:
+                with torch.no_grad(), task_context(step.keys[i], checkpointing=True, skips=skips):
                     out, loss = _run_stage(step, s, i, Batch.of(leaves, atomic))
+            else:  # with grad, as its recomputation runs (see [Note: selective recomputation]), keeping no graph
+                with discarding(), task_context(step.keys[i], checkpointing=True, skips=skips), selective.first:
+                    out, loss = _run_stage(step, s, i, Batch.of(_stage_input(step, s, leaves), atomic))
         else:
             saved = Batch.of(leaves, atomic)
             with task_context(step.keys[i], skips=skips), _counting(holding):
