@@ -12,11 +12,14 @@ message waits for, its layout unknown ([Note: expected layouts]), is charged fir
 messages (:func:`with_relayouts`). *Choose.* :func:`choose` simulates every built-in schedule of the placement at
 these costs, as it would run (:func:`~torchpipe.schedule.merge_backwards`), and keeps the fastest whose busiest
 worker holds no more (stage, micro-batch) activations than 1F1B's would: as many as there are stages. Every rank
-exchanges its costs first, so every rank chooses alike. *Fall back.* If none fits (three or more stages per
-worker), the one that holds the fewest. *Limits.* One cost per (stage, kind) cannot say a message's time by its
-size, nor an action's by what ran before it (``looped_bfs``'s runs of one kind; where they are long, it holds more
-than the others anyway); a network's own message time (``communication=``) is not measured. Loss and gradients are
-the plain module's at every step, the measuring one included.
+exchanges its costs first, so every rank chooses alike. With ``memory_limit=``, the bound is in bytes instead: the
+fastest whose busiest worker's predicted peak (:class:`Footprint`, from every rank's bytes measured on the first
+step: [Note: held bytes] in ``runtime/held.py``) fits, and a ``ValueError`` on every rank if none does. *Fall
+back.* Without it, if none fits (three or more stages per worker), the one that holds the fewest. *Limits.* One
+cost per (stage, kind) cannot say a message's time by its size, nor an action's by what ran before it
+(``looped_bfs``'s runs of one kind; where they are long, it holds more than the others anyway); a network's own
+message time (``communication=``) is not measured. Loss and gradients are the plain module's at every step, the
+measuring one included.
 """
 import logging
 from dataclasses import dataclass, field, replace
