@@ -1,8 +1,8 @@
 """Stage memory benchmark: each rank's peak during a training step, torchpipe against ``torch.distributed.pipelining``
 on the same model and schedule, and ``recompute='selective'`` against ``'full'`` and no checkpoint.
 
-Two gloo ranks on 127.0.0.1, one stage each: a stack of blocks (Linear 4x wide, GELU, Linear back, LayerNorm),
-MSE loss, ``--chunks`` micro-batches. In every round each configuration runs one step (the order rotating). What
+Two gloo ranks on 127.0.0.1, each with one stage (two for the loop's and the V's schedules) of a stack of blocks
+(Linear 4x wide, GELU, Linear back, LayerNorm), MSE loss, ``--chunks`` micro-batches. In every round each configuration runs one step (the order rotating). What
 a step adds is the peak resident set above its start on its rank (``VmHWM`` reset through
 ``/proc/self/clear_refs`` before the step, minus the resident set then), with every block above 64 KiB from
 ``mmap`` so that freed tensors leave the resident set at once; the table gives its median over rounds. What a
@@ -48,15 +48,17 @@ WORLD = 2
 MiB = 1 << 20
 #: (library, schedule, checkpoint, recompute); pipelining's schedules by their class names.
 Config = Tuple[str, str, str, str]
-CONFIGS: List[Config] = [
-    ("torchpipe", "gpipe", "never", "full"),
-    ("pipelining", "ScheduleGPipe", "never", "full"),
-    ("torchpipe", "1f1b", "never", "full"),
-    ("pipelining", "Schedule1F1B", "never", "full"),
-    ("torchpipe", "1f1b", "always", "full"),
-    ("torchpipe", "1f1b", "always", "selective"),
-]
-RIVALS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+#: torchpipe's schedules and pipelining's same ones.
+RIVALS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+          "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+          "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+#: The schedules of two stages per rank: on the loop (stage s on rank s % 2) or in the V (rank r: r and 3 - r).
+LOOPED = {"interleaved_1f1b", "ScheduleInterleaved1F1B", "looped_bfs", "ScheduleLoopedBFS",
+          "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble"}
+V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV"}
+CONFIGS: List[Config] = [config for ours, theirs in RIVALS.items()
+                         for config in [("torchpipe", ours, "never", "full"), ("pipelining", theirs, "never", "full")]]
+CONFIGS += [("torchpipe", "1f1b", "always", "full"), ("torchpipe", "1f1b", "always", "selective")]
 HEADERS = ["configuration", "rank", "kept MiB", "step adds MiB", "peak MiB", "vs pipelining", "predicted MiB",
            "step adds / predicted", "step ms", "CPU ms"]
 
@@ -74,6 +76,7 @@ def block(width: int) -> nn.Sequential:
 
 
 def model(blocks: int, width: int) -> nn.Sequential:
+    """``WORLD * blocks`` blocks, as their layers (the schedules of two stages per rank cut each block in two)."""
     torch.manual_seed(0)
     return nn.Sequential(*[layer for _ in range(WORLD * blocks) for layer in block(width)])
 
@@ -109,13 +112,15 @@ class Runner:
     def __init__(self, config: Config, rank: int, blocks: int, width: int, chunks: int) -> None:
         library, schedule, checkpoint, recompute = config
         module = model(blocks, width)
-        size = len(module) // WORLD
-        self.first, self.last = rank == 0, rank == WORLD - 1
+        stages = 2 * WORLD if schedule in LOOPED | V_SHAPED else WORLD
+        size = len(module) // stages
+        mine = [rank, 2 * WORLD - 1 - rank] if schedule in V_SHAPED else list(range(rank, stages, WORLD))
+        self.first, self.last = 0 in mine, stages - 1 in mine
         self.pipe: Any = None
         if library == "torchpipe":
             import torchpipe
 
-            self.pipe = torchpipe.Pipeline(module, [size] * WORLD, chunks=chunks, schedule=schedule,
+            self.pipe = torchpipe.Pipeline(module, [size] * stages, chunks=chunks, schedule=schedule,
                                            checkpoint=checkpoint, recompute=recompute, loss_fn=loss_fn,
                                            group=dist.group.WORLD)
             self.parameters = list(self.pipe.parameters())
@@ -123,17 +128,21 @@ class Runner:
         else:
             from torch.distributed import pipelining
 
-            part = nn.Sequential(*list(module.children())[size * rank: size * (rank + 1)])
-            stage = pipelining.PipelineStage(part, rank, WORLD, torch.device("cpu"))
-            self.schedule = getattr(pipelining, schedule)(stage, chunks, loss_fn=loss_fn)
-            self.parameters = list(part.parameters())
+            layers = list(module.children())
+            parts = [nn.Sequential(*layers[size * s: size * (s + 1)]) for s in mine]
+            made = [pipelining.PipelineStage(part, s, stages, torch.device("cpu")) for part, s in zip(parts, mine)]
+            kind = getattr(pipelining, schedule)
+            self.schedule = kind(made if stages > WORLD else made[0], chunks, loss_fn=loss_fn)
+            self.parameters = [p for part in parts for p in part.parameters()]
             self.run = self._pipelining
 
     def _torchpipe(self, x: Tensor, y: Tensor) -> None:
         self.pipe.step(x if self.first else None, y if self.last else None)
 
     def _pipelining(self, x: Tensor, y: Tensor) -> None:
-        if self.first:
+        if self.first and self.last:
+            self.schedule.step(x, target=y, losses=[])
+        elif self.first:
             self.schedule.step(x)
         else:
             self.schedule.step(target=y, losses=[])
