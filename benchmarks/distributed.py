@@ -64,6 +64,7 @@ from benchmarks.harness.cpu import THREAD_KINDS, thread_cpu  # noqa: E402
 from benchmarks.harness.machine import machine_description  # noqa: E402
 from benchmarks.harness.output import Summary, format_table, save_json  # noqa: E402
 from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
+from benchmarks.harness.rivals import RankRunner, pipelining_schedule  # noqa: E402
 from benchmarks.harness.steps import microbatched_train_step, pipeline_ideal, train_step  # noqa: E402
 from benchmarks.harness.timing import rotated  # noqa: E402
 from torchpipe.schedule import Kind, Schedule, simulate  # noqa: E402
@@ -117,7 +118,7 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-class Runner:
+class Runner(RankRunner):
     """One library's pipelined training step on this rank."""
 
     def __init__(self, library: str, schedule: str, rank: int, layers: int, width: int) -> None:
@@ -141,41 +142,18 @@ class Runner:
                                            group=dist.group.WORLD)
             self.pipe._tuner = AutoTuner(stages, WORLD, CHUNKS, names=LOOP_NAMES)
             self.parameters = list(self.pipe.parameters())
-            self.run = self._torchpipe
+            self.run = self.torchpipe_step
         elif library == "torchpipe":
             import torchpipe
 
             self.pipe = torchpipe.Pipeline(model, [size] * stages, chunks=CHUNKS, schedule=schedule.split("-")[0],
                                            loss_fn=loss_fn, group=dist.group.WORLD)
             self.parameters = list(self.pipe.parameters())
-            self.run = self._torchpipe
+            self.run = self.torchpipe_step
         else:
-            from torch.distributed import pipelining
-
-            layers_of = list(model.children())
-            parts = [nn.Sequential(*layers_of[size * s: size * (s + 1)]) for s in mine]
-            made = [pipelining.PipelineStage(part, s, stages, torch.device("cpu")) for part, s in zip(parts, mine)]
-            kind = getattr(pipelining, schedule)
-            self.schedule = kind(made if stages > WORLD else made[0], CHUNKS, loss_fn=loss_fn)
-            self.parameters = [p for part in parts for p in part.parameters()]
-            self.run = self._pipelining
-
-    def _torchpipe(self, x: Tensor, y: Tensor) -> None:
-        self.pipe.step(x if self.first else None, y if self.last else None)
-
-    def _pipelining(self, x: Tensor, y: Tensor) -> None:
-        losses: List[Tensor] = []
-        if self.first and self.last:
-            self.schedule.step(x, target=y, losses=losses)
-        elif self.first:
-            self.schedule.step(x)
-        else:
-            self.schedule.step(target=y, losses=losses)
-
-    def step(self, x: Tensor, y: Tensor) -> None:
-        self.run(x, y)
-        for p in self.parameters:
-            p.grad = None
+            self.schedule, self.parameters = pipelining_schedule(list(model.children()), mine, stages, schedule,
+                                                                 CHUNKS, loss_fn)
+            self.run = self.pipelining_step
 
 
 def rank_main(

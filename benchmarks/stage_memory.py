@@ -2,26 +2,25 @@
 on the same model and schedule, and ``recompute='selective'`` against ``'full'`` and no checkpoint.
 
 Two gloo ranks on 127.0.0.1, each with one stage (two for the loop's and the V's schedules) of a stack of blocks
-(Linear 4x wide, GELU, Linear back, LayerNorm), MSE loss, ``--chunks`` micro-batches. In every round each configuration runs one step (the order rotating). What
-a step adds is the peak resident set above its start on its rank (``VmHWM`` reset through
-``/proc/self/clear_refs`` before the step, minus the resident set then), with every block above 64 KiB from
-``mmap`` so that freed tensors leave the resident set at once; the table gives its median over rounds. What a
-configuration keeps between steps (parameters; buffers a library allocates once, such as pipelining's receive
-buffers) is the resident set its set-up and first step left; its peak is the two together. ``vs pipelining``:
-per rank, pipelining's peak over torchpipe's for the same schedule (> 1: torchpipe holds less). Beside them:
-torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (activation bytes: what autograd keeps,
-the stages' inputs and outputs), and what the step adds over it; what the prediction leaves out (gradients of
-the parameters, made during the step; message buffers in flight; a backward's temporaries) is the excess. Then
-the step time and the rank's CPU time in the step (medians, ms): with every large block from ``mmap`` a step pays
-a page fault per allocation, so ``distributed.py`` is where speed is measured; the CPU time shows what a
-recomputation costs whether or not it fills a wait. pipelining has no checkpointing of its own: the recomputation
-rows are torchpipe's, ``'full'`` and ``'selective'`` against its ``1f1b`` without checkpoint.
+(Linear 4x wide, GELU, Linear back, LayerNorm), MSE loss, ``--chunks`` micro-batches. In every round each
+configuration runs one step (the order rotating). What a step adds is the peak resident set above its start on its
+rank (``VmHWM`` reset through ``/proc/self/clear_refs`` before the step, minus the resident set then), with every
+block above 64 KiB from ``mmap`` so that freed tensors leave the resident set at once; the table gives its median
+over rounds. What a configuration keeps between steps (parameters; buffers a library allocates once, such as
+pipelining's receive buffers) is the resident set its set-up and first step left; its peak is the two together. ``vs
+pipelining``: per rank, pipelining's peak over torchpipe's for the same schedule (> 1: torchpipe holds less). Beside
+them: torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (activation bytes: what autograd
+keeps, the stages' inputs and outputs), and what the step adds over it; what the prediction leaves out (gradients of
+the parameters, made during the step; message buffers in flight; a backward's temporaries) is the excess. Then the
+step time and the rank's CPU time in the step (medians, ms): with every large block from ``mmap`` a step pays a page
+fault per allocation, so ``distributed.py`` is where speed is measured; the CPU time shows what a recomputation
+costs whether or not it fills a wait. pipelining has no checkpointing of its own: the recomputation rows are
+torchpipe's, ``'full'`` and ``'selective'`` against its ``1f1b`` without checkpoint.
 
     python benchmarks/stage_memory.py [--rounds 5] [--width 256] [--rows 256] [--blocks 2] [--chunks 8]
         [--json out.json] [--quick]
 """
 import argparse
-import ctypes
 import datetime
 import gc
 import json
@@ -31,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,8 +40,10 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.memory import large_blocks_from_mmap, proc_status_bytes, reset_peak_rss  # noqa: E402
 from benchmarks.harness.output import Summary, format_table, save_json  # noqa: E402
 from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
+from benchmarks.harness.rivals import RankRunner, pipelining_schedule  # noqa: E402
 
 WORLD = 2
 MiB = 1 << 20
@@ -85,28 +86,7 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-
-
-class Runner:
+class Runner(RankRunner):
     """One configuration's training step on this rank."""
 
     def __init__(self, config: Config, rank: int, blocks: int, width: int, chunks: int) -> None:
@@ -124,33 +104,11 @@ class Runner:
                                            checkpoint=checkpoint, recompute=recompute, loss_fn=loss_fn,
                                            group=dist.group.WORLD)
             self.parameters = list(self.pipe.parameters())
-            self.run: Callable[[Tensor, Tensor], None] = self._torchpipe
+            self.run = self.torchpipe_step
         else:
-            from torch.distributed import pipelining
-
-            layers = list(module.children())
-            parts = [nn.Sequential(*layers[size * s: size * (s + 1)]) for s in mine]
-            made = [pipelining.PipelineStage(part, s, stages, torch.device("cpu")) for part, s in zip(parts, mine)]
-            kind = getattr(pipelining, schedule)
-            self.schedule = kind(made if stages > WORLD else made[0], chunks, loss_fn=loss_fn)
-            self.parameters = [p for part in parts for p in part.parameters()]
-            self.run = self._pipelining
-
-    def _torchpipe(self, x: Tensor, y: Tensor) -> None:
-        self.pipe.step(x if self.first else None, y if self.last else None)
-
-    def _pipelining(self, x: Tensor, y: Tensor) -> None:
-        if self.first and self.last:
-            self.schedule.step(x, target=y, losses=[])
-        elif self.first:
-            self.schedule.step(x)
-        else:
-            self.schedule.step(target=y, losses=[])
-
-    def step(self, x: Tensor, y: Tensor) -> None:
-        self.run(x, y)
-        for p in self.parameters:
-            p.grad = None
+            self.schedule, self.parameters = pipelining_schedule(list(module.children()), mine, stages, schedule,
+                                                                 chunks, loss_fn)
+            self.run = self.pipelining_step
 
     def predicted(self, rank: int) -> Optional[int]:
         if self.pipe is None:
@@ -160,7 +118,8 @@ class Runner:
 
 def rank_main(rank: int, rounds: int, blocks: int, width: int, rows: int, chunks: int, out: str) -> None:
     torch.set_num_threads(1)
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: large blocks return to the system when freed
+    if not large_blocks_from_mmap():
+        raise SystemExit("stage_memory needs glibc's mallopt, to return freed blocks to the system at once")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
     torch.manual_seed(1)
     x, y = torch.randn(rows * chunks, width), torch.randn(rows * chunks, width)
@@ -171,11 +130,11 @@ def rank_main(rank: int, rounds: int, blocks: int, width: int, rows: int, chunks
     for config in CONFIGS:  # each one's set-up and first step (shapes, buffers, connections, the measurement)
         gc.collect()
         dist.barrier()
-        before = _rss()
+        before = proc_status_bytes("VmRSS")
         runners[config] = Runner(config, rank, blocks, width, chunks)
         runners[config].step(x, y)
         gc.collect()
-        kept[name_of(config)] = (_rss() - before) / MiB
+        kept[name_of(config)] = (proc_status_bytes("VmRSS") - before) / MiB
     peaks: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
     times: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
     cpus: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
@@ -184,12 +143,12 @@ def rank_main(rank: int, rounds: int, blocks: int, width: int, rows: int, chunks
             config = CONFIGS[(k + round_) % len(CONFIGS)]
             gc.collect()
             dist.barrier()
-            _reset_peak()
-            start_rss = _rss()
+            reset_peak_rss()
+            start_rss = proc_status_bytes("VmRSS")
             started, cpu = time.perf_counter(), time.process_time()
             runners[config].step(x, y)
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
-            peak = _peak_rss() - start_rss
+            peak = proc_status_bytes("VmHWM") - start_rss
             dist.barrier()
             peaks[name_of(config)].append(peak / MiB)
             times[name_of(config)].append(elapsed * 1e3)

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.harness.steps import Step
 
-__all__ = ["proc_status_bytes", "reset_peak_rss", "cpu_peak_rss_bytes", "step_peak_bytes"]
+__all__ = ["proc_status_bytes", "reset_peak_rss", "large_blocks_from_mmap", "cpu_peak_rss_bytes", "step_peak_bytes"]
 
 
 def proc_status_bytes(field: str) -> int:
@@ -31,6 +31,17 @@ def reset_peak_rss() -> bool:
             refs.write("5")
         return True
     except OSError:
+        return False
+
+
+def large_blocks_from_mmap(threshold: int = 1 << 16) -> bool:
+    """Makes glibc's malloc take every block of ``threshold`` bytes or more from ``mmap``, so that a freed tensor
+    leaves the resident set at once and the resident set follows the tensors; False without glibc."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
         return False
 
 

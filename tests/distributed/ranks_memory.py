@@ -1,6 +1,5 @@
 """What each rank runs in the tests of activation memory across processes: a step's peak resident set."""
 import copy
-import ctypes
 import gc
 from typing import Any, Dict, List
 
@@ -8,22 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness.memory import large_blocks_from_mmap, proc_status_bytes, reset_peak_rss
 from torchpipe import Pipeline
 
 MiB = 1 << 20
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
 
 
 def step_peaks(rank: int, world: int, schedule: str, chunks: int, checkpoint: str, rows: int = 2048,
@@ -32,11 +19,8 @@ def step_peaks(rank: int, world: int, schedule: str, chunks: int, checkpoint: st
     one): a first stage whose output is ``rows x width`` floats per micro-batch (32 MiB by default) and keeps
     little for its backward (a linear layer's input), a last stage that reduces it to a loss."""
     # Large blocks from mmap, each returned to the system when freed: the resident set then follows the tensors.
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
-        _reset_peak()
-    except OSError as exc:  # another C library, or /proc/self/clear_refs not writable here
-        return {"skip": f"no peak resident set to measure: {exc}"}
+    if not large_blocks_from_mmap() or not reset_peak_rss():  # another C library, or no clear_refs
+        return {"skip": "no peak resident set to measure here (glibc's mallopt and /proc/self/clear_refs)"}
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, width), nn.Linear(width, 1))
     pipe = Pipeline(model, [1, 1], chunks=chunks, schedule=schedule, checkpoint=checkpoint, loss_fn=F.mse_loss,
@@ -47,12 +31,12 @@ def step_peaks(rank: int, world: int, schedule: str, chunks: int, checkpoint: st
     for step in range(4):
         gc.collect()
         torch.distributed.barrier()
-        _reset_peak()
-        start = _peak_rss()
+        reset_peak_rss()
+        start = proc_status_bytes("VmHWM")
         pipe.step(x if first else None, y if not first else None)
         torch.distributed.barrier()
         if step > 0:
-            peaks.append((_peak_rss() - start) / MiB)
+            peaks.append((proc_status_bytes("VmHWM") - start) / MiB)
         pipe.zero_grad()
     return {"peak": sorted(peaks)[len(peaks) // 2], "output": rows * width * 4 / MiB}
 
