@@ -43,7 +43,8 @@ def pipeline_grads(module: nn.Sequential, seed: int = 5, **kwargs: Any) -> Tuple
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 def test_selective_pipeline_has_the_plain_gradients_with_dropout(schedule: str, checkpoint: str) -> None:
     # Dropout draws the same mask in the forward and the recomputation, selective or not: all three agree bit for
-    # bit with the uncheckpointed pipeline of the same seed.
+    # bit with the uncheckpointed pipeline of the same seed. Exact, since every pass runs the same kernels on the
+    # same micro-batches (a kept output is the very tensor the forward made).
     module = model()
     never = pipeline_grads(module, schedule=schedule)
     full = pipeline_grads(module, schedule=schedule, checkpoint=checkpoint)
@@ -177,7 +178,7 @@ def test_selective_with_skips_and_deferred_batch_norm() -> None:
         pipe.step(x)
         pipes.append(pipe)
     never, selective = pipes
-    for a, b in zip(grads_of(selective), grads_of(never)):
+    for a, b in zip(grads_of(selective), grads_of(never)):  # exact: the same kernels on the same micro-batches
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for key in ("1.running_mean", "1.running_var"):
         torch.testing.assert_close(selective.state_dict()[key], plain.state_dict()[key])
@@ -195,6 +196,7 @@ def test_selective_equals_full_for_any_cut(chunks: int, balance: List[int], seed
         torch.manual_seed(seed)
         losses.append(pipe.step(x))
         grads.append(grads_of(pipe))
+    # Exact: the same cut and micro-batches; selective takes back outputs its forward computed as full recomputes them.
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
