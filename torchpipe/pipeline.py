@@ -339,7 +339,7 @@ class Pipeline(Pipelined):
         stages = self._runner.stages
         measured = stages.measured
         shape = measured.shape if measured is not None else (self.chunks, 0)
-        schedule = self._runner.plan(*shape).schedule
+        schedule = self._runner.schedule(shape[0])  # its recomputations are the measured ones
         workers = range(schedule.num_workers) if self._channel is None else [self._channel.rank]
         return report(measured, schedule, list(workers), self.schedule_name)
 

@@ -43,6 +43,8 @@ from torchpipe.stream import use_device, use_stream
 __all__ = ["run", "forward", "recompute", "backward", "backward_input", "backward_weight"]
 
 _NOT_PROFILED = contextlib.nullcontext()
+#: What a forward counts its saved tensors under when nothing is measured (one, reused: see :func:`_counting`).
+_NOTHING = contextlib.nullcontext()
 
 #: The actions that run a backward (a forward or recomputation computes its loss under its own context).
 _BACKWARDS = (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
@@ -118,7 +120,7 @@ def forward(step: Step, action: Action) -> None:
         step.trainable[s] or any(leaf.requires_grad for leaf in leaves)
     )
     skips = StageSkips(step, s, i, checkpointing=checkpointed, recomputing=False) if stages.skip_layout else None
-    holding = Holding(stages.modules[s]) if step.memory is not None and step.grad_enabled else None
+    holding = step.memory.holding(s, stages.modules[s]) if step.memory is not None and step.grad_enabled else None
     with step.context.entered(), streams(step.seed_for(s, i)):
         if checkpointed:
             # The copy is what the recomputation starts from: a first layer that works in place changes
@@ -191,7 +193,7 @@ def recompute(step: Step, action: Action) -> None:
         with task_context(step.keys[i], recomputing=True, skips=skips):
             inputs = Batch.of(_stage_input(step, s, state.leaves.values), state.leaves.atomic)
             selective, state.selective = state.selective, None  # what it kept goes with the recomputation
-            holding = Holding(stages.modules[s]) if step.memory is not None else None
+            holding = step.memory.holding(s, stages.modules[s]) if step.memory is not None else None
             if selective is None:
                 with _counting(holding):
                     out, loss = _run_stage(step, s, i, inputs)
@@ -216,7 +218,7 @@ def recompute(step: Step, action: Action) -> None:
 
 def _counting(holding: Optional[Holding]) -> ContextManager[object]:
     """What autograd saves, counted into ``holding`` (nothing counted without one)."""
-    return holding.hooks() if holding is not None else contextlib.nullcontext()
+    return holding.hooks() if holding is not None else _NOTHING
 
 
 def _check_input_versions(state: StageState, i: int) -> None:

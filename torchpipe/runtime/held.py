@@ -12,27 +12,25 @@ What a step holds beside them (parameters, their gradients, the message buffers 
 temporaries, the allocator's slack) is not counted: the prediction is of activation bytes.
 """
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from torchpipe.runtime.release import local
-from torchpipe.schedule import Schedule, simulate
+from torchpipe.schedule import Schedule
 from torchpipe.schedule.auto import Footprint
 
 __all__ = ["Holding", "Measured", "MemoryReport", "kept_tensors", "report"]
 
 
 def _storage(tensor: Tensor) -> Optional[Tuple[int, Any]]:
-    """``tensor``'s storage as (where, storage); None for one without its own (a wrapper subclass, meta)."""
+    """``tensor``'s storage as (where, storage); None for one without a storage of its own: a wrapper subclass
+    (a collective's result in flight), a meta tensor, a sparse one."""
     inner = local(tensor)
-    if type(inner) is not Tensor and not isinstance(inner, nn.Parameter) or inner.is_meta:
+    if type(inner) not in (Tensor, nn.Parameter) or inner.is_meta or inner.layout is not torch.strided:
         return None
-    try:
-        held = inner.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
+    held = inner.untyped_storage()
     return int(held.data_ptr()), held
 
 
@@ -41,14 +39,10 @@ class Holding:
 
     __slots__ = ("storages", "_left_out")
 
-    def __init__(self, module: Optional[nn.Module]) -> None:
+    def __init__(self, left_out: FrozenSet[int]) -> None:
         self.storages: Dict[int, Tuple[Any, int]] = {}
-        self._left_out: Set[int] = set()
-        tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
-        for tensor in tensors:
-            found = _storage(tensor)
-            if found is not None:
-                self._left_out.add(found[0])
+        #: Where the stage's parameters and buffers are: not counted.
+        self._left_out = left_out
 
     def hooks(self) -> ContextManager[Any]:
         """Counts what autograd saves while entered."""
@@ -114,6 +108,16 @@ class Measured:
         self.held: Dict[Tuple[int, int], int] = {}
         #: Per recomputed pair: the bytes its recomputation's graph added, from its ``R`` to its ``B``.
         self.recomputed: Dict[Tuple[int, int], int] = {}
+        self._left_out: Dict[int, FrozenSet[int]] = {}
+
+    def holding(self, s: int, module: Optional[nn.Module]) -> Holding:
+        """A new count for stage ``s``, whose parameters and buffers (found once per step) are left out."""
+        left_out = self._left_out.get(s)
+        if left_out is None:
+            tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
+            found = (_storage(t) for t in tensors)
+            left_out = self._left_out[s] = frozenset(f[0] for f in found if f is not None)
+        return Holding(left_out)
 
     @property
     def complete(self) -> bool:
@@ -136,13 +140,6 @@ class Measured:
             return None
         return Footprint({k: float(v) for k, v in self.held.items()},
                          {k: float(v) for k, v in self.recomputed.items()})
-
-    def stage_sizes(self, stages: int, microbatches: int) -> Tuple[List[List[float]], List[List[float]]]:
-        """``sizes`` and ``recomputed`` for :func:`~torchpipe.schedule.simulate` (0 for the stages of other
-        ranks)."""
-        held = [[float(self.held.get((s, i), 0)) for i in range(microbatches)] for s in range(stages)]
-        again = [[float(self.recomputed.get((s, i), 0)) for i in range(microbatches)] for s in range(stages)]
-        return held, again
 
 
 @dataclass(frozen=True)
@@ -179,12 +176,13 @@ class MemoryReport:
 
 
 def report(measured: Optional[Measured], schedule: Schedule, workers: Sequence[int], name: str) -> MemoryReport:
-    """The report of ``measured`` for ``schedule`` (with its recomputations) on ``workers``."""
-    if measured is None or not measured.complete:
+    """The report of ``measured`` for ``schedule`` (without recomputations: the measured ones are added) on
+    ``workers``."""
+    footprint = measured.footprint() if measured is not None else None
+    if measured is None or footprint is None:
         return MemoryReport(name)
-    microbatches = measured.shape[0]
-    held, again = measured.stage_sizes(schedule.stages, microbatches)
-    peaks = simulate(schedule, sizes=held, recomputed=again).peak_bytes
+    peaks = footprint.peaks(schedule)
+    held, again = footprint.sizes(schedule.stages, schedule.microbatches)
     local = sorted({s for s, _ in measured.pairs})
     return MemoryReport(
         name,

@@ -218,18 +218,28 @@ class Footprint:
     #: Per recomputed (stage, micro-batch): the bytes its recomputation's graph adds until its ``B``.
     recomputed: Mapping[Tuple[int, int], float] = field(default_factory=dict)
 
-    def peak(self, schedule: Schedule) -> float:
-        """The busiest worker's predicted peak bytes under ``schedule`` (its recomputations added)."""
-        m, stages = schedule.microbatches, schedule.stages
+    def sizes(self, stages: int, microbatches: int) -> Tuple[List[List[float]], List[List[float]]]:
+        """``sizes`` and ``recomputed`` for :func:`~torchpipe.schedule.simulate`: per stage, per micro-batch (one
+        not measured as the stage's largest; 0 for a stage with none)."""
+
+        def rows(table: Mapping[Tuple[int, int], float]) -> List[List[float]]:
+            most: Dict[int, float] = {}
+            for (s, _), v in table.items():
+                most[s] = max(most.get(s, 0.0), v)
+            return [[float(table.get((s, i), most.get(s, 0.0))) for i in range(microbatches)] for s in range(stages)]
+
+        return rows(self.held), rows(self.recomputed)
+
+    def peaks(self, schedule: Schedule) -> Tuple[float, ...]:
+        """Per worker, the predicted peak bytes under ``schedule`` (given without recomputations: those of the
+        recomputed pairs are added)."""
         recomputing = with_recomputation(schedule, lambda s, i: (s, i) in self.recomputed)
+        held, again = self.sizes(schedule.stages, schedule.microbatches)
+        return simulate(recomputing, {kind: 1.0 for kind in Kind}, sizes=held, recomputed=again).peak_bytes
 
-        def row(table: Mapping[Tuple[int, int], float], s: int) -> List[float]:
-            known = [v for (stage, _), v in table.items() if stage == s]
-            return [float(table.get((s, i), max(known, default=0.0))) for i in range(m)]
-
-        run = simulate(recomputing, {kind: 1.0 for kind in Kind}, sizes=[row(self.held, s) for s in range(stages)],
-                       recomputed=[row(self.recomputed, s) for s in range(stages)])
-        return max(run.peak_bytes, default=0.0)
+    def peak(self, schedule: Schedule) -> float:
+        """The busiest worker's predicted peak bytes under ``schedule`` (:meth:`peaks`)."""
+        return max(self.peaks(schedule), default=0.0)
 
 
 def choose(
