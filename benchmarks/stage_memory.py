@@ -9,9 +9,11 @@ block above 64 KiB from ``mmap`` so that freed tensors leave the resident set at
 over rounds. What a configuration keeps between steps (parameters; buffers a library allocates once, such as
 pipelining's receive buffers) is the resident set its set-up and first step left; its peak is the two together. ``vs
 pipelining``: per rank, pipelining's peak over torchpipe's for the same schedule (> 1: torchpipe holds less). Beside
-them: torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (activation bytes: what autograd
-keeps, the stages' inputs and outputs), and what the step adds over it; what the prediction leaves out (gradients of
-the parameters, made during the step; message buffers in flight; a backward's temporaries) is the excess. Then the
+them: torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (what autograd keeps, the stages'
+inputs and outputs, what a split backward keeps for its ``W``, the parameters' gradients the step makes, the
+receives posted ahead), and what the step adds over it: above 1 by what the prediction leaves out (a backward's
+temporaries), below where it counts a bound (each pair held to its backward's end, posted receives as resident
+before their messages fill them). Then the
 step time and the rank's CPU time in the step (medians, ms): with every large block from ``mmap`` a step pays a page
 fault per allocation, so ``distributed.py`` is where speed is measured; the CPU time shows what a recomputation
 costs whether or not it fills a wait. pipelining has no checkpointing of its own: the recomputation rows are
@@ -223,8 +225,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print("(kept: the resident set the configuration's set-up and first step left on the rank (parameters, buffers "
           "kept between steps); step adds: the median over rounds of the resident set a step adds above that; "
           "peak: the two together; vs pipelining: pipelining's same schedule's peak / torchpipe's, > 1: torchpipe "
-          "holds less; predicted: pipe.memory()'s predicted activation bytes for the rank; step adds / predicted: "
-          "above 1 by what the prediction leaves out, parameter gradients and message buffers among it; step ms: "
+          "holds less; predicted: pipe.memory()'s predicted peak for the rank (activations, deferred and parameter "
+          "gradients, posted receives); step adds / predicted: above 1 by what the prediction leaves out (a "
+          "backward's temporaries), below where it counts a bound; step ms: "
           "the step's median time with every large block from mmap, which charges each allocation its page faults "
           "(distributed.py measures speed); CPU ms: the rank's CPU time in the step, all its threads, where a "
           "recomputation shows whether or not it overlaps a wait)")

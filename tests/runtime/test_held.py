@@ -8,6 +8,7 @@ from torch import nn
 
 from tests.models import grads_of
 from torchpipe import Pipeline
+from torchpipe.schedule import Kind, simulate, zero_bubble
 
 ROWS, CHUNKS = 4, 4  # rows per micro-batch
 
@@ -39,8 +40,26 @@ def test_the_bytes_are_what_autograd_keeps(schedule: str, held_at_once: int) -> 
     first, second = 4 * ROWS * (16 + 64), 4 * ROWS * 64 + 4
     assert report.held == {0: (first,) * CHUNKS, 1: (second,) * CHUNKS}
     assert report.recomputed == {0: (0,) * CHUNKS, 1: (0,) * CHUNKS}
-    assert report.predicted_peak == {0: held_at_once * first, 1: (CHUNKS if schedule == "gpipe" else 1) * second}
-    assert f"predicted peak of worker 0: {held_at_once * first} bytes" in str(report)
+    # The step made each stage's gradients (none existed before it): weights and biases, 4 bytes each.
+    gradients = {0: 4 * (16 * 64 + 64), 1: 4 * (64 * 16 + 16)}
+    assert report.gradients == gradients and report.buffers == {}  # one process: no receive posted ahead
+    # Both schedules reach their peak at a stage's first backward, its gradients made while it holds the most.
+    peak = {0: held_at_once * first + gradients[0], 1: (CHUNKS if schedule == "gpipe" else 1) * second + gradients[1]}
+    assert report.predicted_peak == peak
+    assert f"predicted peak of worker 0: {peak[0]} bytes" in str(report)
+
+
+def test_gradients_that_exist_before_the_measured_step_are_not_its_bytes() -> None:
+    # Accumulation: the second of two steps adds into .grad, it makes nothing. Measured again for another
+    # number of micro-batches without zero_grad, its report counts no gradients.
+    pipe = pipe_of(schedule="1f1b")
+    pipe.step(torch.randn(ROWS * CHUNKS, 16))
+    assert pipe.memory().gradients[0] > 0
+    pipe.step(torch.randn(2, 16))  # two micro-batches of one row
+    assert pipe.memory().held[0] == (4 * (16 + 64),) * 2 and pipe.memory().gradients == {0: 0, 1: 0}
+    pipe.zero_grad(set_to_none=True)
+    pipe.step(torch.randn(ROWS * CHUNKS, 16))
+    assert pipe.memory().gradients == {0: 4 * (16 * 64 + 64), 1: 4 * (64 * 16 + 16)}
 
 
 def test_a_checkpointed_micro_batch_holds_its_input_and_its_recomputation_the_rest() -> None:
@@ -49,8 +68,8 @@ def test_a_checkpointed_micro_batch_holds_its_input_and_its_recomputation_the_re
     report = pipe.memory()
     assert report.held[0] == (4 * ROWS * 16,) * CHUNKS  # the copy of its input
     assert report.recomputed[0] == (4 * ROWS * 64,) * CHUNKS  # Tanh's output, while recomputed
-    # GPipe: every input copy at once, and one recomputed graph.
-    assert report.predicted_peak[0] == CHUNKS * 4 * ROWS * 16 + 4 * ROWS * 64
+    # GPipe: every input copy at once, one recomputed graph, and the gradients.
+    assert report.predicted_peak[0] == CHUNKS * 4 * ROWS * 16 + 4 * ROWS * 64 + report.gradients[0]
 
 
 def test_selective_holds_the_matmul_outputs_too() -> None:
@@ -84,3 +103,21 @@ def test_the_first_training_step_is_measured_and_another_number_of_micro_batches
     pipe.step(torch.randn(2, 16))  # two micro-batches: measured again
     assert pipe.memory().held[0] == (4 * (16 + 64),) * 2
     copy.deepcopy(pipe)  # a measured pipeline copies
+
+
+def test_a_split_backward_holds_the_gradients_its_weight_half_starts_from() -> None:
+    # zero_bubble's I hands the input gradients back and keeps, until its W, the gradient at each weight's
+    # operation: stage 0's first Linear's output gradient (ROWS x 64 floats); stage 1's is the loss's gradient,
+    # one float expanded. simulate holds them from I to W (deferred=).
+    pipe = pipe_of(schedule=zero_bubble(CHUNKS, 2))
+    pipe.step(torch.randn(ROWS * CHUNKS, 16))
+    report = pipe.memory()
+    assert report.deferred == {0: (4 * ROWS * 64,) * CHUNKS, 1: (4,) * CHUNKS}
+    assert "(+ 1024 from I to W)" in str(report)
+    sizes, deferred = [report.held[0], report.held[1]], [report.deferred[0], report.deferred[1]]
+    gradients = [report.gradients[0], report.gradients[1]]
+    expected = simulate(zero_bubble(CHUNKS, 2), {k: 1.0 for k in Kind}, sizes=sizes, deferred=deferred,
+                        gradients=gradients).peak_bytes
+    assert report.predicted_peak == {0: int(expected[0]), 1: int(expected[1])}
+    without = simulate(zero_bubble(CHUNKS, 2), {k: 1.0 for k in Kind}, sizes=sizes, gradients=gradients).peak_bytes
+    assert expected[0] > without[0]  # the deferred gradients are part of worker 0's peak

@@ -14,6 +14,7 @@ from torchpipe.schedule import (
     clock_cycles,
     gpipe,
     interleaved_1f1b,
+    looped_bfs,
     merge_backwards,
     one_f_one_b,
     parse,
@@ -369,6 +370,25 @@ def test_peak_bytes_per_micro_batch_and_recomputed_graphs() -> None:
     # Every micro-batch checkpointed: its input (1 byte) from F to B, its graph (50) from R to B, one at a time.
     recomputing = with_recomputation(one_f_one_b(4, 2), lambda s, i: True)
     assert simulate(recomputing, sizes=[1, 1], recomputed=[50, 50]).peak_bytes == (52.0, 51.0)
+
+
+def test_a_stages_gradients_are_held_from_its_first_backward_to_the_steps_end() -> None:
+    # looped_bfs, 4 stages on 2 workers, 2 micro-batches: worker 0 runs 0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0.
+    schedule = looped_bfs(2, 4, 2)
+    sizes = [1, 1, 100, 1]
+    # Stage 0's gradients come with its first backward, once stage 2 has let go of its 200 bytes: 2 + 5000.
+    assert simulate(schedule, sizes=sizes, gradients=[5000, 0, 0, 0]).peak_bytes == (5002.0, 4.0)
+    # Stage 2's come while every pair is held: 202 + 5000, and stay to the end.
+    assert simulate(schedule, sizes=sizes, gradients=[0, 0, 5000, 0]).peak_bytes == (5202.0, 4.0)
+    # A split backward's deferred gradients, from its I to its W: ZB-H1's worker 1 runs 1I0 1F1 1I1 1W0, two at
+    # once; worker 0 runs each W right after its I.
+    assert simulate(zero_bubble(4, 2), SPLIT_UNIT, deferred=[1, 1]).peak_bytes == (1.0, 2.0)
+    # Gradients alone (no sizes) are a peak of their own; one figure per stage, bytes.
+    assert simulate(gpipe(2, 2), gradients=[3, 4]).peak_bytes == (3.0, 4.0)
+    with pytest.raises(ValueError, match=r"gradients needs one entry per stage \(2\)"):
+        simulate(gpipe(2, 2), gradients=[1])
+    with pytest.raises(ValueError, match=r"gradients\[0\] must be bytes"):
+        simulate(gpipe(2, 2), gradients=[-1, 0])
 
 
 def test_peak_bytes_need_sizes_for_every_stage() -> None:

@@ -123,6 +123,8 @@ def distributed_step(
         if relayouts is not None:
             relayouts += transport.relayouts
         end(step)
+        if step.memory is not None:  # the gradients as the stage hooks left them (reduced, sharded)
+            step.memory.end(transport.most_posted)
         own: List[float] = []
         if rank == last and step_loss is not None:
             weighted = step_loss.weighted()

@@ -378,6 +378,8 @@ def backward_input(step: Step, action: Action) -> None:
     roots, grads = _output_roots(step, s, i, state)
     inputs, popped = _inputs(step, s, i, state)
     found, state.weight = split_input(roots, grads, inputs)
+    if step.memory is not None and state.weight is not None:
+        step.memory.defer(s, i, state.weight.seeds())
     state.outputs = None  # the graph lives on in what W needs
     input_grads, skip_grads = _split(found, len(state.leaves.values), popped)
     _hand_back(step, action, input_grads, skip_grads)

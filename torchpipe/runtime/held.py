@@ -1,18 +1,24 @@
-"""What each (stage, micro-batch) holds from its forward to its backward, in bytes, measured on a training step.
+"""What a step holds from a forward to its backward, in bytes, measured on a training step.
 
-[Note: held bytes] A Pipeline's first training step measures, per (stage, micro-batch) of this rank, the bytes
-of the tensors its forward leaves for its backward: what autograd saved (counted through
+[Note: held bytes] A Pipeline's first training step (and the first of each new plan: another number of
+micro-batches, a zero-bubble split decided) measures, per (stage, micro-batch) of this rank, the bytes of the
+tensors its forward leaves for its backward: what autograd saved (counted through
 ``torch.autograd.graph.saved_tensors_hooks``), the stage's input leaves and its outputs, each storage once, the
 stage's parameters and buffers left out. They are counted when the backward starts, so an output released once
 sent (see [Note: released outputs]) counts nothing. A checkpointed micro-batch holds its input's copy and what
 selective recomputation kept (see [Note: selective recomputation]); its recomputation's graph, counted the same
-way, is held from its ``R`` to its ``B`` only, one micro-batch at a time on a worker. These are the ``sizes``
-and ``recomputed`` of :func:`~torchpipe.schedule.simulate`, whose ``peak_bytes`` predict a schedule's peak.
-What a step holds beside them (parameters, their gradients, the message buffers in flight, a backward's own
-temporaries, the allocator's slack) is not counted: the prediction is of activation bytes.
+way, is held from its ``R`` to its ``B`` only, one micro-batch at a time on a worker. A split backward's ``I``
+leaves its ``W`` the gradients ``W`` starts from (see [Note: zero-bubble]), held until ``W``. As the step ends it
+counts the gradients it made (of the parameters whose ``.grad`` was None as it began) and takes from the
+transport the most bytes its receives posted ahead hold once the messages' layouts are known (across
+processes). These are the ``sizes``, ``recomputed``, ``deferred`` and ``gradients`` of
+:func:`~torchpipe.schedule.simulate`, whose ``peak_bytes`` (plus the buffers) predict a schedule's peak: the
+bytes a step adds. Not counted: the parameters (held before the step), a backward's own temporaries (the
+gradients of the activations it passes through, a weight's gradient before it is added to ``.grad``) and the
+allocator's slack.
 """
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -97,9 +103,13 @@ class Measured:
     """One training step's measurement on this rank: per (stage, micro-batch), the bytes its forward held until
     its backward, and what its recomputation's graph added (see [Note: held bytes])."""
 
-    def __init__(self, pairs: Sequence[Tuple[int, int]], shape: Tuple[int, int]) -> None:
+    def __init__(self, pairs: Sequence[Tuple[int, int]], shape: Tuple[int, int],
+                 modules: Sequence[Optional[nn.Module]] = (), stage_workers: Sequence[int] = (),
+                 schedule: Optional[Schedule] = None) -> None:
         #: The (stage, micro-batch) pairs of this rank the step runs forwards of.
         self.pairs = tuple(pairs)
+        #: The schedule the step ran (its plan's: a plan made again is measured again).
+        self.schedule = schedule
         #: The step's micro-batches and checkpointed micro-batches (``checkpoint_stop``).
         self.shape = shape
         self.forwards: Dict[Tuple[int, int], Holding] = {}
@@ -108,7 +118,27 @@ class Measured:
         self.held: Dict[Tuple[int, int], int] = {}
         #: Per recomputed pair: the bytes its recomputation's graph added, from its ``R`` to its ``B``.
         self.recomputed: Dict[Tuple[int, int], int] = {}
+        #: Per pair whose backward is split: the bytes of the gradients its ``W`` starts from, from its ``I``.
+        self.deferred: Dict[Tuple[int, int], int] = {}
+        #: Per stage of this rank: the bytes of the parameter gradients the step made (set as it ends).
+        self.gradients: Dict[int, int] = {}
+        #: Per worker of this rank: the most bytes its transport held at once in receives posted ahead (set as
+        #: the step ends).
+        self.buffers: Dict[int, int] = {}
         self._left_out: Dict[int, FrozenSet[int]] = {}
+        self._workers = sorted({stage_workers[s] for s, _ in self.pairs if s < len(stage_workers)})
+        #: Per stage of this rank, its parameters without a gradient as the step starts (each once).
+        self._fresh: Dict[int, List[Tensor]] = {}
+        seen: Set[int] = set()
+        for s in sorted({s for s, _ in self.pairs}):
+            module = modules[s] if s < len(modules) else None
+            if module is None:
+                continue
+            fresh = self._fresh[s] = []
+            for p in module.parameters():
+                if p.requires_grad and p.grad is None and id(p) not in seen:
+                    seen.add(id(p))
+                    fresh.append(p)
 
     def holding(self, s: int, module: Optional[nn.Module]) -> Holding:
         """A new count for stage ``s``, whose parameters and buffers (found once per step) are left out."""
@@ -134,18 +164,37 @@ class Measured:
         if graph is not None:
             self.recomputed[(s, i)] = graph.bytes(besides=forward)
 
+    def defer(self, s: int, i: int, seeds: Iterable[Tensor]) -> None:
+        """Counts what the pair's ``I`` left for its ``W``: the gradients ``W`` starts from."""
+        kept = Holding(frozenset())
+        kept.add(seeds)
+        self.deferred[(s, i)] = kept.bytes()
+
+    def end(self, buffered: int) -> None:
+        """As the step ends: counts the gradients it made, and takes the most bytes its transport held in
+        receives posted ahead (``buffered``)."""
+        for s, fresh in self._fresh.items():
+            made = Holding(frozenset())
+            made.add(p.grad for p in fresh)
+            self.gradients[s] = made.bytes()
+        self._fresh = {}
+        self.buffers = {w: int(buffered) for w in self._workers} if buffered else {}
+
     def footprint(self) -> Optional[Footprint]:
         """The measurement as ``'auto'`` chooses by (None if the step did not finish)."""
         if not self.complete:
             return None
         return Footprint({k: float(v) for k, v in self.held.items()},
-                         {k: float(v) for k, v in self.recomputed.items()})
+                         {k: float(v) for k, v in self.recomputed.items()},
+                         {k: float(v) for k, v in self.deferred.items()},
+                         {s: float(v) for s, v in self.gradients.items()},
+                         {w: float(v) for w, v in self.buffers.items()})
 
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """What :meth:`torchpipe.Pipeline.memory` tells: this rank's stages' measured bytes per micro-batch and the
-    predicted peak of the schedule the pipeline runs (see [Note: held bytes])."""
+    """What :meth:`torchpipe.Pipeline.memory` tells: this rank's stages' measured bytes and the predicted peak of
+    the schedule the pipeline runs (see [Note: held bytes])."""
 
     #: The schedule the prediction is for.
     schedule: str
@@ -154,8 +203,18 @@ class MemoryReport:
     held: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
     #: Per stage of this rank: the bytes each micro-batch's recomputation added until its backward (0: none).
     recomputed: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
-    #: Per worker of this rank: the most activation bytes it holds at once, predicted by
-    #: :attr:`~torchpipe.schedule.Simulation.peak_bytes` from the figures above.
+    #: Per stage of this rank: the bytes each micro-batch's split backward kept from its ``I`` to its ``W`` (0:
+    #: not split): the gradients its ``W`` starts from.
+    deferred: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
+    #: Per stage of this rank: the bytes of the parameter gradients the measured step made (0 where they
+    #: existed before it: not set to None).
+    gradients: Dict[int, int] = field(default_factory=dict)
+    #: Per worker of this rank: the most bytes its transport held at once in receives posted for messages not
+    #: taken yet (none in one process).
+    buffers: Dict[int, int] = field(default_factory=dict)
+    #: Per worker of this rank: the most bytes a step adds at once, predicted from the figures above: the
+    #: activations and gradients as :attr:`~torchpipe.schedule.Simulation.peak_bytes` has them come and go,
+    #: and the buffers.
     predicted_peak: Dict[int, int] = field(default_factory=dict)
 
     @property
@@ -170,7 +229,11 @@ class MemoryReport:
         for s, held in self.held.items():
             most = max(self.recomputed.get(s, (0,)), default=0)
             extra = f" (+ {most} while recomputed)" if most else ""
-            lines.append(f"  stage {s}: {', '.join(str(b) for b in held)}{extra}")
+            waiting = max(self.deferred.get(s, (0,)), default=0)
+            extra += f" (+ {waiting} from I to W)" if waiting else ""
+            lines.append(f"  stage {s}: {', '.join(str(b) for b in held)}{extra}; "
+                         f"its gradients {self.gradients.get(s, 0)}")
+        lines += [f"  receives posted ahead on worker {w}: at most {b}" for w, b in self.buffers.items()]
         lines += [f"  predicted peak of worker {w}: {peak} bytes" for w, peak in self.predicted_peak.items()]
         return "\n".join(lines)
 
@@ -182,11 +245,14 @@ def report(measured: Optional[Measured], schedule: Schedule, workers: Sequence[i
     if measured is None or footprint is None:
         return MemoryReport(name)
     peaks = footprint.peaks(schedule)
-    held, again = footprint.sizes(schedule.stages, schedule.microbatches)
+    held, again, deferred = footprint.sizes(schedule.stages, schedule.microbatches)
     local = sorted({s for s, _ in measured.pairs})
     return MemoryReport(
         name,
         {s: tuple(int(b) for b in held[s]) for s in local},
         {s: tuple(int(b) for b in again[s]) for s in local},
+        {s: tuple(int(b) for b in deferred[s]) for s in local},
+        {s: int(measured.gradients.get(s, 0)) for s in local},
+        {w: int(b) for w, b in measured.buffers.items()},
         {w: int(peaks[w]) for w in workers},
     )

@@ -115,11 +115,13 @@ class Runner:
         )
         step.transport = transport(plan) if transport is not None else LocalTransport(self.stages, streams)
         measured = self.stages.measured
-        if trains and (measured is None or not measured.complete or measured.shape != (len(batches), checkpoint_stop)):
-            # See [Note: held bytes]: measured on the first training step (and again for another shape).
+        if trains and (measured is None or not measured.complete or measured.schedule is not plan.schedule):
+            # See [Note: held bytes]: measured on the first training step, and again for another plan (another
+            # shape, or the schedule changed: a zero-bubble split decided).
             local = [(a.stage, a.microbatch) for a in plan.schedule.actions()
                      if a.kind is Kind.FORWARD and self.stages.modules[a.stage] is not None]
-            step.memory = self.stages.measured = Measured(local, (len(batches), checkpoint_stop))
+            step.memory = self.stages.measured = Measured(local, (len(batches), checkpoint_stop), self.stages.modules,
+                                                          self.stages.stage_workers, plan.schedule)
         return step
 
     # --- phases ----------------------------------------------------------------------------------------
@@ -176,4 +178,6 @@ class Runner:
         """Runs the whole schedule of ``step`` in one phase (a Pipeline training step), with the stage hooks."""
         with lifecycle(step):
             self._execute(step, step.plan.schedule)
+        if step.memory is not None:
+            step.memory.end(0)  # in one process, no receive is posted ahead
         step.batches = None

@@ -71,6 +71,16 @@ class WeightGradient:
         #: When no input needed a gradient, ``I`` did nothing and ``W`` runs the whole backward.
         self.whole = whole
 
+    def seeds(self) -> List[Tensor]:
+        """The gradients ``W`` starts from, which live from ``I`` to ``W`` (see [Note: held bytes])."""
+        found: List[Tensor] = []
+        for group in self.groups:
+            found += [g for captured in group.captured.values() for g in captured if g is not None]
+            found += [grad for _, grad in group.roots]
+        if self.whole is not None:
+            found += self.whole[1]
+        return found
+
 
 def _node(tensor: Tensor) -> Any:
     return _graph.get_gradient_edge(tensor).node

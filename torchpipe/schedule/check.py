@@ -186,6 +186,12 @@ class Simulation:
     sizes: Tuple[Tuple[float, ...], ...] = field(default=(), repr=False)
     #: Per stage, the bytes a recomputation's graph adds from its ``R`` to its ``B`` or ``W`` (``recomputed=``).
     recomputed: Tuple[Tuple[float, ...], ...] = field(default=(), repr=False)
+    #: Per stage, the bytes a split backward keeps from its ``I`` to its ``W``: the gradients its ``W`` starts
+    #: from (``deferred=``).
+    deferred: Tuple[Tuple[float, ...], ...] = field(default=(), repr=False)
+    #: Per stage, the bytes of the parameters' gradients its backward makes, held from the start of its first
+    #: ``B`` or ``W`` to the step's end (``gradients=``; empty: not given).
+    gradients: Tuple[float, ...] = field(default=(), repr=False)
 
     @property
     def peak_activations(self) -> Tuple[int, ...]:
@@ -199,13 +205,14 @@ class Simulation:
         pair held for no time (by actions that cost nothing) still counts.
         Stages of different sizes count alike: :attr:`peak_bytes` weighs them.
         """
-        return tuple(int(peak) for peak in self._peaks(lambda s, i: 1.0, None))
+        return tuple(int(peak) for peak in self._peaks({Kind.FORWARD: lambda s, i: 1.0}))
 
     @property
     def peak_bytes(self) -> Tuple[float, ...]:
         """Per worker, the most bytes it holds at once: each pair held as in :attr:`peak_activations`, weighed
-        by its stage's size for the micro-batch (``sizes=``), and a recomputed pair's graph from its ``R`` on
-        (``recomputed=``).
+        by its stage's size for the micro-batch (``sizes=``), a recomputed pair's graph from its ``R`` on
+        (``recomputed=``), what a split backward keeps for its ``W`` from its ``I`` on (``deferred=``), and each
+        stage's parameter gradients from its first ``B`` or ``W`` to the step's end (``gradients=``).
 
         Raises:
             ValueError: :func:`simulate` was given no ``sizes``.
@@ -217,11 +224,16 @@ class Simulation:
             row = table[s] if s < len(table) else ()
             return row[0] if len(row) == 1 else row[i]
 
-        return self._peaks(lambda s, i: size(self.sizes, s, i),
-                           (lambda s, i: size(self.recomputed, s, i)) if self.recomputed else None)
+        weights: Dict[Kind, Callable[[int, int], float]] = {Kind.FORWARD: lambda s, i: size(self.sizes, s, i)}
+        if self.recomputed:
+            weights[Kind.RECOMPUTE] = lambda s, i: size(self.recomputed, s, i)
+        if self.deferred:
+            weights[Kind.BACKWARD_INPUT] = lambda s, i: size(self.deferred, s, i)
+        return self._peaks(weights, self.gradients)
 
-    def _peaks(self, held: Callable[[int, int], float], graph: Optional[Callable[[int, int], float]]
+    def _peaks(self, weights: Mapping[Kind, Callable[[int, int], float]], gradients: Sequence[float] = ()
                ) -> Tuple[float, ...]:
+        # Each action of a kind in ``weights`` holds its weight from its start to its pair's end.
         # Each pair's end, and where its worker's list runs what ends it: at one instant (actions that take no
         # time), what ends and starts goes in the worker's order, so a pair held until an action ends before one
         # that a later action starts, and one held for no time still counts.
@@ -233,14 +245,22 @@ class Simulation:
         events: List[List[Tuple[float, int, float]]] = [[] for _ in self.busy]
         for action, begin in self.start.items():
             pair = (action.stage, action.microbatch)
-            if action.kind is Kind.FORWARD:
-                weight = held(*pair)
-            elif action.kind is Kind.RECOMPUTE and graph is not None:
-                weight = graph(*pair)
-            else:
+            of = weights.get(action.kind)
+            if of is None:
                 continue
+            weight = of(*pair)
             until, at = ends.get(pair, (self.step_time, len(position)))
             events[self.stage_workers[action.stage]] += [(begin, position[action], weight), (until, at, -weight)]
+        # A stage's gradients, from the first of its actions that makes them to the step's end.
+        making: Dict[int, Tuple[float, int]] = {}
+        for action, begin in self.start.items():
+            if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                making[action.stage] = min(making.get(action.stage, (begin, position[action])),
+                                           (begin, position[action]))
+        for s, (begin, at) in making.items():
+            if s < len(gradients) and gradients[s]:
+                events[self.stage_workers[s]] += [(begin, at, gradients[s]),
+                                                  (self.step_time, len(position), -gradients[s])]
         peaks = []
         for worker in events:
             held_now = most = 0.0
@@ -262,7 +282,8 @@ def shorter(step: float, than: float) -> bool:
 
 
 def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication: float = 0.0,
-             sizes: Optional[Sizes] = None, recomputed: Optional[Sizes] = None) -> Simulation:
+             sizes: Optional[Sizes] = None, recomputed: Optional[Sizes] = None,
+             deferred: Optional[Sizes] = None, gradients: Optional[Sequence[float]] = None) -> Simulation:
     """Runs ``schedule`` in virtual time; raises ``ValueError`` naming the stuck actions if it deadlocks.
 
     Args:
@@ -274,6 +295,10 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
         sizes: one entry per stage: the bytes it holds per micro-batch from its ``F`` to its ``B`` (or ``W``),
             one figure, or one per micro-batch; gives :attr:`Simulation.peak_bytes`.
         recomputed: as ``sizes``, what a recomputed micro-batch's graph adds from its ``R`` to its ``B``.
+        deferred: as ``sizes``, what a split backward adds from its ``I`` to its ``W``: the gradients at the
+            graph's weight operations that its ``W`` starts from.
+        gradients: one figure per stage: the bytes of the gradients its backward makes for its parameters, held
+            from its first ``B`` (or ``W``) to the step's end (0 where they exist before the step).
 
     Example::
 
@@ -283,12 +308,16 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
     """
     cost = cost_function(costs)
     run = play(schedule, lambda action, begin: cost(action), communication)
-    if sizes is None and recomputed is None:
+    if sizes is None and recomputed is None and deferred is None and gradients is None:
         return run
     microbatches = max((a.microbatch + 1 for a in schedule.actions()), default=0)
     return replace(run, sizes=_sizes(sizes or [0.0] * schedule.stages, schedule.stages, microbatches, "sizes"),
                    recomputed=(_sizes(recomputed, schedule.stages, microbatches, "recomputed")
-                               if recomputed is not None else ()))
+                               if recomputed is not None else ()),
+                   deferred=(_sizes(deferred, schedule.stages, microbatches, "deferred")
+                             if deferred is not None else ()),
+                   gradients=(tuple(row[0] for row in _sizes(list(gradients), schedule.stages, 1, "gradients"))
+                              if gradients is not None else ()))
 
 
 def _sizes(sizes: Sizes, stages: int, microbatches: int, name: str) -> Tuple[Tuple[float, ...], ...]:
