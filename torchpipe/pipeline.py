@@ -34,7 +34,8 @@ from torchpipe.runtime.local import LocalBackend
 from torchpipe.runtime.loss import LossSpec, without_backward
 from torchpipe.runtime.ties import TiedCopies, find_ties, retie, shared_stages, untie_devices
 from torchpipe.schedule import SPLITTING, Schedule
-from torchpipe.schedule.auto import AutoTuner, verify_memory_limit
+from torchpipe.schedule.auto import AutoTuner
+from torchpipe.schedule.footprint import verify_memory_limit
 from torchpipe.schedule.measured import Timings, Tuner
 from torchpipe.schedule.resolve import ScheduleLike, resolve
 from torchpipe.schedule.split import SplitTuner

@@ -24,6 +24,7 @@ from torchpipe.schedule.auto import (
     typical,
     with_relayouts,
 )
+from torchpipe.schedule.footprint import Footprint
 
 F, B, BI, BW = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 PAPER = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
@@ -353,8 +354,8 @@ def test_auto_on_a_placement_without_a_schedule_says_what_fits() -> None:
 # --- memory_limit= ------------------------------------------------------------------------------------------
 
 
-def _footprint(first: float, second: float, m: int = 8) -> auto.Footprint:
-    return auto.Footprint({(s, i): (first, second)[s] for s in range(2) for i in range(m)})
+def _footprint(first: float, second: float, m: int = 8) -> Footprint:
+    return Footprint({(s, i): (first, second)[s] for s in range(2) for i in range(m)})
 
 
 def test_memory_limit_takes_the_fastest_schedule_that_fits() -> None:
@@ -374,7 +375,7 @@ def test_memory_limit_takes_the_fastest_schedule_that_fits() -> None:
 
 
 def test_recomputed_graphs_count_one_at_a_time() -> None:
-    footprint = auto.Footprint({(s, i): 1.0 for s in range(2) for i in range(4)},
+    footprint = Footprint({(s, i): 1.0 for s in range(2) for i in range(4)},
                                {(s, i): 50.0 for s in range(2) for i in range(4)})
     assert footprint.peak(build("gpipe", 4, 2)) == 4 + 50
     assert footprint.peak(build("1f1b", 4, 2)) == 2 + 50

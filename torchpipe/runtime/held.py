@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from torchpipe.runtime.release import local
 from torchpipe.schedule import Schedule
-from torchpipe.schedule.auto import Footprint
+from torchpipe.schedule.footprint import Footprint
 
 __all__ = ["Holding", "Measured", "MemoryReport", "kept_tensors", "report"]
 

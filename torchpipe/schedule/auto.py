@@ -23,10 +23,11 @@ measuring one included.
 """
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from torchpipe.schedule.actions import Action, Kind, Schedule
 from torchpipe.schedule.check import cost_function, shorter, simulate
+from torchpipe.schedule.footprint import Footprint, exchanged_footprint
 from torchpipe.schedule.generate import (
     NAMES,
     SPLITTING,
@@ -48,14 +49,11 @@ from torchpipe.schedule.measured import (
 from torchpipe.schedule.merge import made_whole, merge_backwards
 from torchpipe.schedule.vshape import zbv
 
-__all__ = ["Choice", "Footprint", "verify_memory_limit", "choose", "calibrate_overhead", "candidates",
+__all__ = ["Choice", "choose", "calibrate_overhead", "candidates",
            "placement_names", "one_map",
            "measuring_schedule", "typical", "with_relayouts", "AutoTuner"]
 
 logger = logging.getLogger("torchpipe")
-
-#: In the exchange of footprints, the micro-batch that marks a stage's gradients and a worker's buffers.
-_GRADIENTS, _BUFFERS = -1.0, -2.0
 
 
 
@@ -212,50 +210,6 @@ class Choice:
                       self.communication)
 
 
-@dataclass(frozen=True)
-class Footprint:
-    """What a step holds, in bytes (see [Note: held bytes] in ``runtime/held.py``): per (stage, micro-batch), per
-    stage and per worker."""
-
-    #: Per (stage, micro-batch): the bytes from its ``F`` to its ``B`` (or ``W``).
-    held: Mapping[Tuple[int, int], float]
-    #: Per recomputed (stage, micro-batch): the bytes its recomputation's graph adds until its ``B``.
-    recomputed: Mapping[Tuple[int, int], float] = field(default_factory=dict)
-    #: Per (stage, micro-batch) whose backward was split: the bytes its ``I`` left for its ``W``.
-    deferred: Mapping[Tuple[int, int], float] = field(default_factory=dict)
-    #: Per stage: the bytes of the parameter gradients its backward made (none where they existed before).
-    gradients: Mapping[int, float] = field(default_factory=dict)
-    #: Per worker: the most bytes its transport held at once in receives posted for messages not taken yet.
-    buffers: Mapping[int, float] = field(default_factory=dict)
-
-    def sizes(self, stages: int, microbatches: int) -> Tuple[List[List[float]], List[List[float]], List[List[float]]]:
-        """``sizes``, ``recomputed`` and ``deferred`` for :func:`~torchpipe.schedule.simulate`: per stage, per
-        micro-batch (one not measured as the stage's largest; 0 for a stage with none)."""
-
-        def rows(table: Mapping[Tuple[int, int], float]) -> List[List[float]]:
-            most: Dict[int, float] = {}
-            for (s, _), v in table.items():
-                most[s] = max(most.get(s, 0.0), v)
-            return [[float(table.get((s, i), most.get(s, 0.0))) for i in range(microbatches)] for s in range(stages)]
-
-        return rows(self.held), rows(self.recomputed), rows(self.deferred)
-
-    def peaks(self, schedule: Schedule) -> Tuple[float, ...]:
-        """Per worker, the predicted peak bytes under ``schedule`` (given without recomputations: those of the
-        recomputed pairs are added): activations and gradients as they come and go, and the worker's message
-        buffers (their most, as measured, whenever it comes)."""
-        recomputing = with_recomputation(schedule, lambda s, i: (s, i) in self.recomputed)
-        held, again, deferred = self.sizes(schedule.stages, schedule.microbatches)
-        gradients = [float(self.gradients.get(s, 0.0)) for s in range(schedule.stages)]
-        peaks = simulate(recomputing, {kind: 1.0 for kind in Kind}, sizes=held, recomputed=again,
-                         deferred=deferred, gradients=gradients).peak_bytes
-        return tuple(peak + float(self.buffers.get(w, 0.0)) for w, peak in enumerate(peaks))
-
-    def peak(self, schedule: Schedule) -> float:
-        """The busiest worker's predicted peak bytes under ``schedule`` (:meth:`peaks`)."""
-        return max(self.peaks(schedule), default=0.0)
-
-
 def choose(
     stages: int, workers: int, microbatches: int, costs: Callable[[int, Kind], float], *, splitting: bool = True,
     communication: float = 0.0, overhead: float = 0.0, names: Optional[Iterable[str]] = None,
@@ -339,26 +293,6 @@ def measuring_schedule(stages: int, workers: int, microbatches: int, *, splittin
     return replace(measuring, name="auto")
 
 
-def verify_memory_limit(memory_limit: Any, schedule: Any) -> Optional[float]:
-    """``memory_limit=`` of a Pipeline as bytes (None: not given).
-
-    Raises:
-        TypeError: it is not a number.
-        ValueError: it is not positive, or the schedule is not ``'auto'`` (a named or custom schedule holds what
-            it holds: the limit is what ``'auto'`` chooses within).
-    """
-    if memory_limit is None:
-        return None
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
-        raise TypeError(f"memory_limit must be a number of bytes, got {memory_limit!r}")
-    if not memory_limit > 0:
-        raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
-    if schedule != "auto":
-        raise ValueError(f"memory_limit= is what schedule='auto' chooses a schedule within; schedule={schedule!r} "
-                         "holds what it holds (pipe.memory() predicts it after a step): use schedule='auto'")
-    return float(memory_limit)
-
-
 class AutoTuner:
     """``schedule='auto'`` in a Pipeline: the measuring schedule for the first training step, then the choice
     (see [Note: auto schedule])."""
@@ -439,41 +373,8 @@ class AutoTuner:
         return True
 
     def _footprint(self, exchange: Optional[Exchange]) -> Footprint:
-        """Every rank's measured bytes (per (stage, micro-batch), per stage and per worker), as one footprint (a
-        collective across ranks)."""
-        mine = self.footprint_source() if self.footprint_source is not None else None
-        values: List[float] = []  # fives: (stage, micro-batch, held, recomputed, deferred), -1 for none
-        if mine is not None:
-            for (s, i), held in mine.held.items():
-                values += [float(s), float(i), float(held), float(mine.recomputed.get((s, i), -1.0)),
-                           float(mine.deferred.get((s, i), -1.0))]
-            for s, made in mine.gradients.items():
-                values += [float(s), _GRADIENTS, float(made), -1.0, -1.0]
-            for w, most in mine.buffers.items():
-                values += [float(w), _BUFFERS, float(most), -1.0, -1.0]
-        held_by: Dict[Tuple[int, int], float] = {}
-        recomputed: Dict[Tuple[int, int], float] = {}
-        deferred: Dict[Tuple[int, int], float] = {}
-        gradients: Dict[int, float] = {}
-        buffers: Dict[int, float] = {}
-        for record in (exchange(values) if exchange is not None else [values]):
-            for k in range(0, len(record) - 4, 5):
-                where, what, figure = int(record[k]), record[k + 1], record[k + 2]
-                if what == _GRADIENTS:
-                    gradients[where] = figure
-                elif what == _BUFFERS:
-                    buffers[where] = max(buffers.get(where, 0.0), figure)
-                else:
-                    pair = (where, int(what))
-                    held_by[pair] = figure
-                    if record[k + 3] >= 0:
-                        recomputed[pair] = record[k + 3]
-                    if record[k + 4] >= 0:
-                        deferred[pair] = record[k + 4]
-        if not held_by:
-            raise ValueError("memory_limit= chooses by the bytes the first training step measured, and it measured "
-                             "none: a step with a backward measures them")
-        return Footprint(held_by, recomputed, deferred, gradients, buffers)
+        """Every rank's measured bytes, as one footprint (a collective across ranks)."""
+        return exchanged_footprint(self.footprint_source() if self.footprint_source is not None else None, exchange)
 
     def record_trial(self, seconds: float, exchange: Optional[Exchange] = None, rows: int = 0) -> bool:
         """Never called: ``'auto'`` measures until it decides, and tries nothing."""
