@@ -61,8 +61,6 @@ class _Incoming:
         self.posted: Deque[_Posted] = collections.deque()
         #: The number of messages received (left in the mailbox).
         self.received = 0
-        #: The bytes of each message received, as its receives are posted once its layout is known.
-        self.sizes: List[int] = []
         #: Whether nothing more comes: the peer aborted, or its connection failed.
         self.stopped = False
         #: The thread that takes the first message (and, after a failure, drains the rest).
@@ -338,10 +336,11 @@ class DistributedTransport:
     def most_posted(self) -> int:
         """The most bytes the receives posted ahead hold at once in a step of these messages once their layouts
         are known (see [Note: held bytes]): per peer, the largest run of messages posted while the one before
-        them is taken (:data:`AHEAD` over gloo, one over NCCL), summed over the peers."""
+        them is taken (:data:`AHEAD` over gloo, one over NCCL), summed over the peers; each message as its
+        last layout packs (its header and tensors, to alignment)."""
         most = 0
-        for incoming in self._incoming.values():
-            sizes = incoming.sizes
+        for peer, incoming in self._incoming.items():
+            sizes = [wire.packed_bytes(self.memory.layouts.get((peer, self.rank, edge), ())) for edge in incoming.edges]
             window = min(self._ahead, len(sizes))
             most += max((sum(sizes[k:k + window]) for k in range(len(sizes) - window + 1)), default=0)
         return most
@@ -397,7 +396,6 @@ class DistributedTransport:
                 received = wait_all(self._post_receives(peer, k, layout, self.devices[edge.target]))
                 self.relayouts.append(time.perf_counter() - header_came)
             self.memory.layouts[key] = layout
-            incoming.sizes.append(wire.packed_bytes(layout))  # its header's and tensors' (to alignment)
             if decoded.kind is wire.Kind.NOT_STASHED:
                 message = Message([], (), True)
             else:

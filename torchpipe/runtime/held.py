@@ -104,8 +104,7 @@ class Measured:
     its backward, and what its recomputation's graph added (see [Note: held bytes])."""
 
     def __init__(self, pairs: Sequence[Tuple[int, int]], shape: Tuple[int, int],
-                 modules: Sequence[Optional[nn.Module]] = (), stage_workers: Sequence[int] = (),
-                 schedule: Optional[Schedule] = None) -> None:
+                 modules: Sequence[Optional[nn.Module]], stage_workers: Sequence[int], schedule: Schedule) -> None:
         #: The (stage, micro-batch) pairs of this rank the step runs forwards of.
         self.pairs = tuple(pairs)
         #: The schedule the step ran (its plan's: a plan made again is measured again).
@@ -126,12 +125,12 @@ class Measured:
         #: the step ends).
         self.buffers: Dict[int, int] = {}
         self._left_out: Dict[int, FrozenSet[int]] = {}
-        self._workers = sorted({stage_workers[s] for s, _ in self.pairs if s < len(stage_workers)})
+        self._workers = sorted({stage_workers[s] for s, _ in self.pairs})
         #: Per stage of this rank, its parameters without a gradient as the step starts (each once).
         self._fresh: Dict[int, List[Tensor]] = {}
         seen: Set[int] = set()
         for s in sorted({s for s, _ in self.pairs}):
-            module = modules[s] if s < len(modules) else None
+            module = modules[s]
             if module is None:
                 continue
             fresh = self._fresh[s] = []

@@ -314,8 +314,8 @@ class AutoTuner:
         self.choice: Optional[Choice] = None
         #: The most bytes a worker may hold (None: no more activations than 1F1B's).
         self.memory_limit = memory_limit
-        #: What this rank's (stage, micro-batch) pairs held on the measuring step: ``(held, recomputed)``, read
-        #: as it ends (set by the Pipeline: see [Note: held bytes]).
+        #: What this rank held on the measuring step, as a :class:`Footprint`, read as it ends (set by the
+        #: Pipeline: see [Note: held bytes]).
         self.footprint_source: Optional[Callable[[], Optional[Footprint]]] = None
 
     @property

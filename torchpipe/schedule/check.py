@@ -243,20 +243,19 @@ class Simulation:
             if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                 ends[(action.stage, action.microbatch)] = (finish, position[action])
         events: List[List[Tuple[float, int, float]]] = [[] for _ in self.busy]
+        #: Per stage, where the first of its actions that make its gradients starts: they stay to the step's end.
+        making: Dict[int, Tuple[float, int]] = {}
         for action, begin in self.start.items():
             pair = (action.stage, action.microbatch)
+            if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                making[action.stage] = min(making.get(action.stage, (begin, position[action])),
+                                           (begin, position[action]))
             of = weights.get(action.kind)
             if of is None:
                 continue
             weight = of(*pair)
             until, at = ends.get(pair, (self.step_time, len(position)))
             events[self.stage_workers[action.stage]] += [(begin, position[action], weight), (until, at, -weight)]
-        # A stage's gradients, from the first of its actions that makes them to the step's end.
-        making: Dict[int, Tuple[float, int]] = {}
-        for action, begin in self.start.items():
-            if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
-                making[action.stage] = min(making.get(action.stage, (begin, position[action])),
-                                           (begin, position[action]))
         for s, (begin, at) in making.items():
             if s < len(gradients) and gradients[s]:
                 events[self.stage_workers[s]] += [(begin, at, gradients[s]),
