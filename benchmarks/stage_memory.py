@@ -2,22 +2,25 @@
 on the same model and schedule, and ``recompute='selective'`` against ``'full'`` and no checkpoint.
 
 Two gloo ranks on 127.0.0.1, each with one stage (two for the loop's and the V's schedules) of a stack of blocks
-(Linear 4x wide, GELU, Linear back, LayerNorm), MSE loss, ``--chunks`` micro-batches. In every round each
-configuration runs one step (the order rotating). What a step adds is the peak resident set above its start on its
-rank (``VmHWM`` reset through ``/proc/self/clear_refs`` before the step, minus the resident set then), with every
-block above 64 KiB from ``mmap`` so that freed tensors leave the resident set at once; the table gives its median
-over rounds. What a configuration keeps between steps (parameters; buffers a library allocates once, such as
-pipelining's receive buffers) is the resident set its set-up and first step left; its peak is the two together. ``vs
-pipelining``: per rank, pipelining's peak over torchpipe's for the same schedule (> 1: torchpipe holds less). Beside
-them: torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank (what autograd keeps, the stages'
-inputs and outputs, what a split backward keeps for its ``W``, the parameters' gradients the step makes, the
-receives posted ahead), and what the step adds over it: above 1 by what the prediction leaves out (a backward's
-temporaries), below where it counts a bound (each pair held to its backward's end, posted receives as resident
-before their messages fill them). Then the
-step time and the rank's CPU time in the step (medians, ms): with every large block from ``mmap`` a step pays a page
-fault per allocation, so ``distributed.py`` is where speed is measured; the CPU time shows what a recomputation
-costs whether or not it fills a wait. pipelining has no checkpointing of its own: the recomputation rows are
-torchpipe's, ``'full'`` and ``'selective'`` against its ``1f1b`` without checkpoint.
+(Linear 4x wide, GELU, Linear back, LayerNorm), MSE loss, ``--chunks`` micro-batches. Each configuration runs in a
+pair of processes of its own, so that what one leaves in the heap counts for no other: a first pipeline and two steps
+start what its library starts once per process (threads, connections, the autograd engine, the code of its steady
+steps), then the resident set is the
+baseline, and a second one is set up, runs a first step and then ``--rounds`` measured steps. Its peak in a step is
+the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before the step) above the
+baseline, with every block above 64 KiB from ``mmap`` so that freed tensors leave the resident set at once; what it
+keeps between steps (parameters; buffers a library allocates once, such as pipelining's receive buffers) is the
+resident set at the step's start above the baseline, and what the step adds the difference; the table gives each
+one's median over the steps. ``vs pipelining``: per rank, pipelining's peak over torchpipe's for the same schedule
+(> 1: torchpipe holds less). Beside them: torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank
+(what autograd keeps, the stages' inputs and outputs, what a split backward keeps for its ``W``, the parameters'
+gradients the step makes, the receives posted ahead), and what the step adds over it: above 1 by what the prediction
+leaves out (a backward's temporaries), below where it counts a bound (each pair held to its backward's end, posted
+receives as resident before their messages fill them). Then the step time and the rank's CPU time in the step
+(medians, ms): with every large block from ``mmap`` a step pays a page fault per allocation, so ``distributed.py``
+is where speed is measured; the CPU time shows what a recomputation costs whether or not it fills a wait. pipelining
+has no checkpointing of its own: the recomputation rows are torchpipe's, ``'full'`` and ``'selective'`` against its
+``1f1b`` without checkpoint.
 
     python benchmarks/stage_memory.py [--rounds 5] [--width 256] [--rows 256] [--blocks 2] [--chunks 8]
         [--json out.json] [--quick]
@@ -62,8 +65,8 @@ V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV"}
 CONFIGS: List[Config] = [config for ours, theirs in RIVALS.items()
                          for config in [("torchpipe", ours, "never", "full"), ("pipelining", theirs, "never", "full")]]
 CONFIGS += [("torchpipe", "1f1b", "always", "full"), ("torchpipe", "1f1b", "always", "selective")]
-HEADERS = ["configuration", "rank", "kept MiB", "step adds MiB", "peak MiB", "vs pipelining", "predicted MiB",
-           "step adds / predicted", "step ms", "CPU ms"]
+HEADERS = ["configuration", "rank", "kept MiB", "step adds MiB", "peak MiB", "peak spread MiB", "vs pipelining",
+           "predicted MiB", "step adds / predicted", "step ms", "CPU ms"]
 
 
 def name_of(config: Config) -> str:
@@ -118,65 +121,68 @@ class Runner(RankRunner):
         return self.pipe.memory().predicted_peak.get(rank)
 
 
-def rank_main(rank: int, rounds: int, blocks: int, width: int, rows: int, chunks: int, out: str) -> None:
+def rank_main(rank: int, config: Config, rounds: int, blocks: int, width: int, rows: int, chunks: int,
+              out: str) -> None:
+    """One configuration on this rank, in processes of its own: nothing another configuration left in the heap
+    counts for it."""
     torch.set_num_threads(1)
     if not large_blocks_from_mmap():
         raise SystemExit("stage_memory needs glibc's mallopt, to return freed blocks to the system at once")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
     torch.manual_seed(1)
     x, y = torch.randn(rows * chunks, width), torch.randn(rows * chunks, width)
-    for library in ("torchpipe", "pipelining"):  # what a library's first pipeline starts (threads, groups), once
-        Runner(next(c for c in CONFIGS if c[0] == library), rank, blocks, width, chunks).step(x, y)
-    runners: Dict[Config, Runner] = {}
-    kept: Dict[str, float] = {}
-    for config in CONFIGS:  # each one's set-up and first step (shapes, buffers, connections, the measurement)
+    # What the library starts once per process (threads, connections, the autograd engine, the code its steady
+    # steps run, faulted in), before the baseline: a pipeline of its own and two steps.
+    first = Runner(config, rank, blocks, width, chunks)
+    first.step(x, y)
+    first.step(x, y)
+    del first
+    gc.collect()
+    dist.barrier()
+    baseline = proc_status_bytes("VmRSS")
+    runner = Runner(config, rank, blocks, width, chunks)
+    runner.step(x, y)  # the set-up and first step: shapes, buffers allocated once, the measurement
+    kept: List[float] = []
+    adds: List[float] = []
+    peaks: List[float] = []
+    times: List[float] = []
+    cpus: List[float] = []
+    for _ in range(rounds):
         gc.collect()
         dist.barrier()
-        before = proc_status_bytes("VmRSS")
-        runners[config] = Runner(config, rank, blocks, width, chunks)
-        runners[config].step(x, y)
-        gc.collect()
-        kept[name_of(config)] = (proc_status_bytes("VmRSS") - before) / MiB
-    peaks: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
-    times: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
-    cpus: Dict[str, List[float]] = {name_of(c): [] for c in CONFIGS}
-    for round_ in range(rounds):
-        for k in range(len(CONFIGS)):
-            config = CONFIGS[(k + round_) % len(CONFIGS)]
-            gc.collect()
-            dist.barrier()
-            reset_peak_rss()
-            start_rss = proc_status_bytes("VmRSS")
-            started, cpu = time.perf_counter(), time.process_time()
-            runners[config].step(x, y)
-            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
-            peak = proc_status_bytes("VmHWM") - start_rss
-            dist.barrier()
-            peaks[name_of(config)].append(peak / MiB)
-            times[name_of(config)].append(elapsed * 1e3)
-            cpus[name_of(config)].append(cpu * 1e3)
-    result = {name_of(c): {"kept_mib": kept[name_of(c)],
-                           "step_mib": statistics.median(peaks[name_of(c)]),
-                           "peak_mib": kept[name_of(c)] + statistics.median(peaks[name_of(c)]),
-                           "peaks_mib": peaks[name_of(c)],
-                           "step_ms": statistics.median(times[name_of(c)]),
-                           "cpu_ms": statistics.median(cpus[name_of(c)]),
-                           "predicted_mib": (None if runners[c].predicted(rank) is None
-                                             else runners[c].predicted(rank) / MiB)}
-              for c in CONFIGS}
+        reset_peak_rss()
+        start = proc_status_bytes("VmRSS")
+        started, cpu = time.perf_counter(), time.process_time()
+        runner.step(x, y)
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        high = proc_status_bytes("VmHWM")
+        dist.barrier()
+        kept.append((start - baseline) / MiB)
+        adds.append((high - start) / MiB)
+        peaks.append((high - baseline) / MiB)
+        times.append(elapsed * 1e3)
+        cpus.append(cpu * 1e3)
+    predicted = runner.predicted(rank)
+    result = {"kept_mib": statistics.median(kept), "step_mib": statistics.median(adds),
+              "peak_mib": statistics.median(peaks), "peaks_mib": peaks, "step_ms": statistics.median(times),
+              "cpu_ms": statistics.median(cpus), "predicted_mib": None if predicted is None else predicted / MiB}
     Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 def measure(rounds: int, blocks: int, width: int, rows: int, chunks: int) -> List[Dict[str, Any]]:
-    """Each rank's figures per configuration."""
+    """Each rank's figures per configuration, each configuration in a pair of processes of its own."""
+    ranks: List[Dict[str, Any]] = [{} for _ in range(WORLD)]
     with tempfile.TemporaryDirectory() as folder:
-        outs = [os.path.join(folder, f"rank{rank}.json") for rank in range(WORLD)]
-        commands = [[sys.executable, str(Path(__file__).resolve()), "--rank", str(rank), "--rounds", str(rounds),
-                     "--blocks", str(blocks), "--width", str(width), "--rows", str(rows), "--chunks", str(chunks),
-                     "--out", outs[rank]] for rank in range(WORLD)]
-        run_ranks(commands, rank_environment(free_port()), timeout=1200, what="stage_memory")
-        return [json.loads(Path(out).read_text()) for out in outs]
+        for k, config in enumerate(CONFIGS):
+            outs = [os.path.join(folder, f"config{k}-rank{rank}.json") for rank in range(WORLD)]
+            commands = [[sys.executable, str(Path(__file__).resolve()), "--rank", str(rank), "--config", str(k),
+                         "--rounds", str(rounds), "--blocks", str(blocks), "--width", str(width), "--rows",
+                         str(rows), "--chunks", str(chunks), "--out", outs[rank]] for rank in range(WORLD)]
+            run_ranks(commands, rank_environment(free_port()), timeout=600, what=f"stage_memory {name_of(config)}")
+            for rank, out in enumerate(outs):
+                ranks[rank][name_of(config)] = json.loads(Path(out).read_text())
+    return ranks
 
 
 def rows_of(ranks: Sequence[Mapping[str, Any]]) -> List[List[Any]]:
@@ -190,9 +196,30 @@ def rows_of(ranks: Sequence[Mapping[str, Any]]) -> List[List[Any]]:
                       if rival is not None and r["peak_mib"] > 0 else None)
             predicted = r["predicted_mib"]
             ratio = r["step_mib"] / predicted if predicted else None
-            rows.append([name, rank, r["kept_mib"], r["step_mib"], r["peak_mib"], versus, predicted, ratio,
-                         r["step_ms"], r["cpu_ms"]])
+            rows.append([name, rank, r["kept_mib"], r["step_mib"], r["peak_mib"], spread(r), versus, predicted,
+                         ratio, r["step_ms"], r["cpu_ms"]])
     return rows
+
+
+def spread(figures: Mapping[str, Any]) -> float:
+    """How far apart a configuration's peaks over its steps are (MiB): the noise of its median."""
+    return float(max(figures["peaks_mib"]) - min(figures["peaks_mib"]))
+
+
+def against_pipelining(ranks: Sequence[Mapping[str, Any]]) -> str:
+    """How many rank x schedule pairs have torchpipe's peak at or below pipelining's, and how far above the rest
+    are against their steps' spread."""
+    pairs = [(rank, ours, figures[f"torchpipe {ours}"], figures[f"pipelining {theirs}"])
+             for rank, figures in enumerate(ranks) for ours, theirs in RIVALS.items()]
+    above = [(rank, ours, o["peak_mib"] - t["peak_mib"], max(spread(o), spread(t)))
+             for rank, ours, o, t in pairs if o["peak_mib"] > t["peak_mib"]]
+    text = (f"torchpipe's peak is at or below pipelining's in {len(pairs) - len(above)} of {len(pairs)} rank x "
+            "schedule pairs")
+    if not above:
+        return text + "."
+    return text + "; above it: " + ", ".join(
+        f"{ours} rank {rank} by {by:.3f} MiB ({'within' if by <= noise else 'beyond'} the steps' spread, "
+        f"{noise:.3f} MiB)" for rank, ours, by, noise in above) + "."
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -205,12 +232,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="a tiny model and one round: checks that it runs")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--config", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.blocks, args.width, args.rows, args.chunks = 1, 1, 16, 4, 4
     if args.rank is not None:
-        rank_main(args.rank, args.rounds, args.blocks, args.width, args.rows, args.chunks, args.out)
+        rank_main(args.rank, CONFIGS[args.config], args.rounds, args.blocks, args.width, args.rows, args.chunks,
+                  args.out)
         return {}
     if not sys.platform.startswith("linux"):
         raise SystemExit("stage_memory reads peak resident sets from /proc: Linux only")
@@ -222,11 +251,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ranks = measure(args.rounds, args.blocks, args.width, args.rows, args.chunks)
     rows = rows_of(ranks)
     print(format_table(HEADERS, rows))
-    print("(kept: the resident set the configuration's set-up and first step left on the rank (parameters, buffers "
-          "kept between steps); step adds: the median over rounds of the resident set a step adds above that; "
-          "peak: the two together; vs pipelining: pipelining's same schedule's peak / torchpipe's, > 1: torchpipe "
-          "holds less; predicted: pipe.memory()'s predicted peak for the rank (activations, deferred and parameter "
-          "gradients, posted receives); step adds / predicted: above 1 by what the prediction leaves out (a "
+    print(against_pipelining(ranks))
+    print("(each configuration in processes of its own, above a baseline taken after a first pipeline of its library; "
+          "kept: the resident set at a step's start (parameters, buffers kept between steps); step adds: the resident "
+          "set a step adds above that at its peak; peak: the step's peak; medians over the steps; peak spread: the "
+          "largest peak less the smallest; vs pipelining: pipelining's same schedule's peak / torchpipe's, > 1: "
+          "torchpipe holds less; predicted: pipe.memory()'s predicted peak for the rank (activations, deferred and "
+          "parameter gradients, posted receives); step adds / predicted: above 1 by what the prediction leaves out (a "
           "backward's temporaries), below where it counts a bound; step ms: "
           "the step's median time with every large block from mmap, which charges each allocation its page faults "
           "(distributed.py measures speed); CPU ms: the rank's CPU time in the step, all its threads, where a "
@@ -243,8 +274,10 @@ def summary(results: Mapping[str, Any]) -> Summary:
     blocks, width, rows, chunks = results["model"]
     table = rows_of(results["ranks"])
     notes = [f"{WORLD} gloo ranks, one stage each of {blocks} blocks (Linear {width}->{4 * width}, GELU, Linear, "
-             f"LayerNorm), {chunks} micro-batches of {rows} rows; rounds: {results['rounds']}. Peak: the median "
-             "resident set a step adds on the rank."]
+             f"LayerNorm), {chunks} micro-batches of {rows} rows; {results['rounds']} measured steps, each "
+             "configuration in processes of its own. Peak: the median over the steps of the rank's peak resident "
+             "set above its baseline (taken after a first pipeline of the library); kept: the resident set at a "
+             "step's start above it; step adds: the difference.", against_pipelining(results["ranks"])]
     ratios = [row[HEADERS.index("step adds / predicted")] for row in table]
     ratios = [r for r in ratios if r is not None]
     if ratios:
