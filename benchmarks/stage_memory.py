@@ -20,10 +20,12 @@ receives as resident before their messages fill them). Then the step time and th
 (medians, ms): with every large block from ``mmap`` a step pays a page fault per allocation, so ``distributed.py``
 is where speed is measured; the CPU time shows what a recomputation costs whether or not it fills a wait. pipelining
 has no checkpointing of its own: the recomputation rows are torchpipe's, ``'full'`` and ``'selective'`` against its
-``1f1b`` without checkpoint.
+``1f1b`` without checkpoint. Their step times, which differ by less than the machine's noise from one process pair to
+another, are compared apart: in one more pair of processes, with malloc as it is, the three pipelines run
+``--timing-rounds`` rounds, each round one step of each in an order that turns, and the medians are given per rank.
 
-    python benchmarks/stage_memory.py [--rounds 5] [--width 256] [--rows 256] [--blocks 2] [--chunks 8]
-        [--json out.json] [--quick]
+    python benchmarks/stage_memory.py [--rounds 5] [--timing-rounds 15] [--width 256] [--rows 256] [--blocks 2]
+        [--chunks 8] [--json out.json] [--quick]
 """
 import argparse
 import datetime
@@ -49,6 +51,7 @@ from benchmarks.harness.memory import large_blocks_from_mmap, proc_status_bytes,
 from benchmarks.harness.output import Summary, format_table, save_json  # noqa: E402
 from benchmarks.harness.processes import free_port, rank_environment, run_ranks  # noqa: E402
 from benchmarks.harness.rivals import RankRunner, pipelining_schedule  # noqa: E402
+from benchmarks.harness.timing import rotated  # noqa: E402
 
 WORLD = 2
 MiB = 1 << 20
@@ -65,6 +68,10 @@ V_SHAPED = {"zbv", "ScheduleZBVZeroBubble", "dualpipev", "ScheduleDualPipeV"}
 CONFIGS: List[Config] = [config for ours, theirs in RIVALS.items()
                          for config in [("torchpipe", ours, "never", "full"), ("pipelining", theirs, "never", "full")]]
 CONFIGS += [("torchpipe", "1f1b", "always", "full"), ("torchpipe", "1f1b", "always", "selective")]
+#: The configurations whose step times are compared round by round in one pair of processes: no checkpoint, then
+#: checkpoint='always' with each recomputation.
+RECOMPUTING: List[Config] = [("torchpipe", "1f1b", "never", "full"), ("torchpipe", "1f1b", "always", "full"),
+                             ("torchpipe", "1f1b", "always", "selective")]
 HEADERS = ["configuration", "rank", "kept MiB", "step adds MiB", "peak MiB", "peak spread MiB", "vs pipelining",
            "predicted MiB", "step adds / predicted", "step ms", "CPU ms"]
 
@@ -170,19 +177,75 @@ def rank_main(rank: int, config: Config, rounds: int, blocks: int, width: int, r
     dist.destroy_process_group()
 
 
-def measure(rounds: int, blocks: int, width: int, rows: int, chunks: int) -> List[Dict[str, Any]]:
-    """Each rank's figures per configuration, each configuration in a pair of processes of its own."""
+def rank_timing(rank: int, rounds: int, blocks: int, width: int, rows: int, chunks: int, out: str) -> None:
+    """The step times of :data:`RECOMPUTING` on this rank, round by round in one process (each round runs each
+    configuration's step once, in an order that turns from round to round), with malloc as it is: what the machine's
+    load does to one round it does to every configuration alike."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
+    torch.manual_seed(1)
+    x, y = torch.randn(rows * chunks, width), torch.randn(rows * chunks, width)
+    runners = [Runner(config, rank, blocks, width, chunks) for config in RECOMPUTING]
+    for runner in runners:  # the set-up, the first step's measurement and what later steps run once
+        runner.step(x, y)
+        runner.step(x, y)
+    times: List[List[float]] = [[] for _ in runners]
+    cpus: List[List[float]] = [[] for _ in runners]
+    for r in range(rounds):
+        for k in rotated(range(len(runners)), r):
+            gc.collect()
+            dist.barrier()
+            started, cpu = time.perf_counter(), time.process_time()
+            runners[k].step(x, y)
+            times[k].append((time.perf_counter() - started) * 1e3)
+            cpus[k].append((time.process_time() - cpu) * 1e3)
+    result = {name_of(config): {"step_ms": statistics.median(times[k]), "cpu_ms": statistics.median(cpus[k]),
+                                "steps_ms": times[k]} for k, config in enumerate(RECOMPUTING)}
+    Path(out).write_text(json.dumps(result))
+    del runners
+    dist.destroy_process_group()
+
+
+def measure(rounds: int, blocks: int, width: int, rows: int, chunks: int,
+            timing_rounds: int) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """Each rank's figures per configuration, each configuration in a pair of processes of its own; then each
+    rank's step times of :data:`RECOMPUTING`, in one pair of processes."""
     ranks: List[Dict[str, Any]] = [{} for _ in range(WORLD)]
+    model = ["--blocks", str(blocks), "--width", str(width), "--rows", str(rows), "--chunks", str(chunks)]
+    script = str(Path(__file__).resolve())
     with tempfile.TemporaryDirectory() as folder:
         for k, config in enumerate(CONFIGS):
             outs = [os.path.join(folder, f"config{k}-rank{rank}.json") for rank in range(WORLD)]
-            commands = [[sys.executable, str(Path(__file__).resolve()), "--rank", str(rank), "--config", str(k),
-                         "--rounds", str(rounds), "--blocks", str(blocks), "--width", str(width), "--rows",
-                         str(rows), "--chunks", str(chunks), "--out", outs[rank]] for rank in range(WORLD)]
+            commands = [[sys.executable, script, "--rank", str(rank), "--config", str(k), "--rounds", str(rounds),
+                         *model, "--out", outs[rank]] for rank in range(WORLD)]
             run_ranks(commands, rank_environment(free_port()), timeout=600, what=f"stage_memory {name_of(config)}")
             for rank, out in enumerate(outs):
                 ranks[rank][name_of(config)] = json.loads(Path(out).read_text())
-    return ranks
+        outs = [os.path.join(folder, f"timing-rank{rank}.json") for rank in range(WORLD)]
+        commands = [[sys.executable, script, "--rank", str(rank), "--timing", "--timing-rounds", str(timing_rounds),
+                     *model, "--out", outs[rank]] for rank in range(WORLD)]
+        run_ranks(commands, rank_environment(free_port()), timeout=600, what="stage_memory recomputation times")
+        timing = [json.loads(Path(out).read_text()) for out in outs]
+    return ranks, timing
+
+
+def recomputation_times(timing: Sequence[Mapping[str, Any]], rounds: int) -> str:
+    """Per rank, the median step times of no checkpoint, ``'full'`` and ``'selective'`` from the interleaved rounds,
+    and whether ``'selective'`` lies between the other two."""
+    never, full, selective = (name_of(config) for config in RECOMPUTING)
+    parts = []
+    between = []
+    for rank, figures in enumerate(timing):
+        a, b, c = (figures[name]["step_ms"] for name in (never, full, selective))
+        parts.append(f"rank {rank}: no checkpoint {a:.0f}, 'full' {b:.0f}, 'selective' {c:.0f}")
+        between.append(min(a, b) <= c <= max(a, b))
+    where = ("on every rank" if all(between) else
+             "on no rank" if not any(between) else
+             "on rank " + ", ".join(str(r) for r, ok in enumerate(between) if ok) + " only")
+    return (f"Step time of '1f1b' with checkpoint='always' against no checkpoint, {rounds} round"
+            f"{'s' if rounds != 1 else ''} in one pair of "
+            f"processes, each round running the three in turn (malloc as it is), median ms: {'; '.join(parts)}. "
+            f"'selective' lies between no checkpoint and 'full' {where}.")
 
 
 def rows_of(ranks: Sequence[Mapping[str, Any]]) -> List[List[Any]]:
@@ -230,13 +293,19 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--rows", type=int, default=256, help="rows per micro-batch")
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--timing-rounds", type=int, default=15,
+                        help="rounds of the interleaved step times of the recomputations")
     parser.add_argument("--quick", action="store_true", help="a tiny model and one round: checks that it runs")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--timing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.blocks, args.width, args.rows, args.chunks = 1, 1, 16, 4, 4
+        args.rounds, args.timing_rounds, args.blocks, args.width, args.rows, args.chunks = 1, 1, 1, 16, 4, 4
+    if args.rank is not None and args.timing:
+        rank_timing(args.rank, args.timing_rounds, args.blocks, args.width, args.rows, args.chunks, args.out)
+        return {}
     if args.rank is not None:
         rank_main(args.rank, CONFIGS[args.config], args.rounds, args.blocks, args.width, args.rows, args.chunks,
                   args.out)
@@ -248,10 +317,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(f"model: {WORLD} stages of {args.blocks} blocks (Linear {args.width}->{4 * args.width}, GELU, Linear back, "
           f"LayerNorm), MSE loss, {args.chunks} micro-batches of {args.rows} rows (a wide activation: "
           f"{activation:.2f} MiB); rounds: {args.rounds}")
-    ranks = measure(args.rounds, args.blocks, args.width, args.rows, args.chunks)
+    ranks, timing = measure(args.rounds, args.blocks, args.width, args.rows, args.chunks, args.timing_rounds)
     rows = rows_of(ranks)
     print(format_table(HEADERS, rows))
     print(against_pipelining(ranks))
+    print(recomputation_times(timing, args.timing_rounds))
     print("(each configuration in processes of its own, above a baseline taken after a first pipeline of its library; "
           "kept: the resident set at a step's start (parameters, buffers kept between steps); step adds: the resident "
           "set a step adds above that at its peak; peak: the step's peak; medians over the steps; peak spread: the "
@@ -260,9 +330,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           "parameter gradients, posted receives); step adds / predicted: above 1 by what the prediction leaves out (a "
           "backward's temporaries), below where it counts a bound; step ms: "
           "the step's median time with every large block from mmap, which charges each allocation its page faults "
-          "(distributed.py measures speed); CPU ms: the rank's CPU time in the step, all its threads, where a "
+          "(distributed.py measures speed; the recomputations' step times are compared in the line above); "
+          "CPU ms: the rank's CPU time in the step, all its threads, where a "
           "recomputation shows whether or not it overlaps a wait)")
-    figures = {"ranks": ranks, "rounds": args.rounds, "model": [args.blocks, args.width, args.rows, args.chunks]}
+    figures = {"ranks": ranks, "rounds": args.rounds, "model": [args.blocks, args.width, args.rows, args.chunks],
+               "timing": timing, "timing_rounds": args.timing_rounds}
     if args.json:
         save_json(args.json, figures)
     return figures
@@ -285,6 +357,7 @@ def summary(results: Mapping[str, Any]) -> Summary:
                      "over every torchpipe row: above 1 by a backward's temporaries, which it leaves out; below "
                      "where it counts a bound (each micro-batch held to its backward's end, the receives posted "
                      "ahead as resident before their messages fill them).")
+    notes.append(recomputation_times(results["timing"], results["timing_rounds"]))
     return Summary(HEADERS, table, notes)
 
 

@@ -549,3 +549,19 @@ def test_the_balance_solver_reports_every_kind_of_costs(tiny_run: Path) -> None:
     # The exact solver's bottleneck is at least the average partition's, whatever the machine.
     assert all(positive(case["ms"]) and case["bottleneck_vs_average"] >= 1 for case in results["cases"].values())
     assert positive(results["against_dynamic_programme"]["dynamic_programme_ms"])
+
+
+def test_stage_memory_says_whether_selective_lies_between_no_checkpoint_and_full() -> None:
+    from benchmarks import stage_memory
+
+    never, full, selective = (stage_memory.name_of(config) for config in stage_memory.RECOMPUTING)
+
+    def rank(a: float, b: float, c: float) -> Dict[str, Any]:
+        return {never: {"step_ms": a}, full: {"step_ms": b}, selective: {"step_ms": c}}
+
+    note = stage_memory.recomputation_times([rank(160, 213, 182), rank(161, 214, 183)], 15)
+    assert "rank 0: no checkpoint 160, 'full' 213, 'selective' 182" in note and "15 rounds" in note
+    assert note.endswith("between no checkpoint and 'full' on every rank.")
+    note = stage_memory.recomputation_times([rank(160, 213, 150), rank(161, 214, 183)], 1)
+    assert "1 round in" in note and note.endswith("on rank 1 only.")
+    assert stage_memory.recomputation_times([rank(160, 213, 220)] * 2, 3).endswith("on no rank.")
