@@ -3,26 +3,27 @@ on the same model and schedule, and ``recompute='selective'`` against ``'full'``
 
 Two gloo ranks on 127.0.0.1, each with one stage (two for the loop's and the V's schedules) of a stack of blocks
 (Linear 4x wide, GELU, Linear back, LayerNorm), MSE loss, ``--chunks`` micro-batches. Each configuration runs in a
-pair of processes of its own, so that what one leaves in the heap counts for no other: a first pipeline and two steps
-start what its library starts once per process (threads, connections, the autograd engine, the code of its steady
-steps), then the resident set is the
-baseline, and a second one is set up, runs a first step and then ``--rounds`` measured steps. Its peak in a step is
-the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before the step) above the
-baseline, with every block above 64 KiB from ``mmap`` so that freed tensors leave the resident set at once; what it
-keeps between steps (parameters; buffers a library allocates once, such as pipelining's receive buffers) is the
-resident set at the step's start above the baseline, and what the step adds the difference; the table gives each
-one's median over the steps. ``vs pipelining``: per rank, pipelining's peak over torchpipe's for the same schedule
-(> 1: torchpipe holds less). Beside them: torchpipe's prediction, ``pipe.memory()``'s predicted peak for the rank
-(what autograd keeps, the stages' inputs and outputs, what a split backward keeps for its ``W``, the parameters'
-gradients the step makes, the receives posted ahead), and what the step adds over it: above 1 by what the prediction
-leaves out (a backward's temporaries), below where it counts a bound (each pair held to its backward's end, posted
-receives as resident before their messages fill them). Then the step time and the rank's CPU time in the step
-(medians, ms): with every large block from ``mmap`` a step pays a page fault per allocation, so ``distributed.py``
-is where speed is measured; the CPU time shows what a recomputation costs whether or not it fills a wait. pipelining
-has no checkpointing of its own: the recomputation rows are torchpipe's, ``'full'`` and ``'selective'`` against its
-``1f1b`` without checkpoint. Their step times, which differ by less than the machine's noise from one process pair to
-another, are compared apart: in one more pair of processes, with malloc as it is, the three pipelines run
-``--timing-rounds`` rounds, each round one step of each in an order that turns, and the medians are given per rank.
+pair of processes of its own, so that what one leaves in the heap counts for no other: a first pipeline and two
+steps start what its library starts once per process (threads, connections, the autograd engine, the code of its
+steady steps), then the resident set is the baseline, and a second one is set up, runs a first step and then
+``--rounds`` measured steps. Its peak in a step is the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` before the step) above the baseline, with every block above 64 KiB from ``mmap`` so that
+freed tensors leave the resident set at once; what it keeps between steps (parameters; buffers a library allocates
+once, such as pipelining's receive buffers) is the resident set at the step's start above the baseline, and what the
+step adds the difference; the table gives each one's median over the steps. ``vs pipelining``: per rank,
+pipelining's peak over torchpipe's for the same schedule (> 1: torchpipe holds less). Beside them: torchpipe's
+prediction, ``pipe.memory()``'s predicted peak for the rank (what autograd keeps, the stages' inputs and outputs,
+what a split backward keeps for its ``W``, the parameters' gradients the step makes, what a backward makes on its
+way, the receives posted ahead), and what the step adds over it: above 1 by what the prediction leaves out (what an
+operator's backward allocates and frees inside itself, the allocator's slack), below where it counts a bound (each
+pair held to its backward's end beside all that backward makes, posted receives as resident before their messages
+fill them). Then the step time and the rank's CPU time in the step (medians, ms): with every large block from
+``mmap`` a step pays a page fault per allocation, so ``distributed.py`` is where speed is measured; the CPU time
+shows what a recomputation costs whether or not it fills a wait. pipelining has no checkpointing of its own: the
+recomputation rows are torchpipe's, ``'full'`` and ``'selective'`` against its ``1f1b`` without checkpoint. Their
+step times, which differ by less than the machine's noise from one process pair to another, are compared apart: in
+one more pair of processes, with malloc as it is, the three pipelines run ``--timing-rounds`` rounds, each round one
+step of each in an order that turns, and the medians are given per rank.
 
     python benchmarks/stage_memory.py [--rounds 5] [--timing-rounds 15] [--width 256] [--rows 256] [--blocks 2]
         [--chunks 8] [--json out.json] [--quick]
@@ -327,8 +328,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
           "set a step adds above that at its peak; peak: the step's peak; medians over the steps; peak spread: the "
           "largest peak less the smallest; vs pipelining: pipelining's same schedule's peak / torchpipe's, > 1: "
           "torchpipe holds less; predicted: pipe.memory()'s predicted peak for the rank (activations, deferred and "
-          "parameter gradients, posted receives); step adds / predicted: above 1 by what the prediction leaves out (a "
-          "backward's temporaries), below where it counts a bound; step ms: "
+          "parameter gradients, a backward's temporaries, posted receives); step adds / predicted: above 1 by what the "
+          "prediction leaves out (inside an operator's backward, the allocator's slack), below where it counts a "
+          "bound; step ms: "
           "the step's median time with every large block from mmap, which charges each allocation its page faults "
           "(distributed.py measures speed; the recomputations' step times are compared in the line above); "
           "CPU ms: the rank's CPU time in the step, all its threads, where a "
@@ -354,9 +356,10 @@ def summary(results: Mapping[str, Any]) -> Summary:
     ratios = [r for r in ratios if r is not None]
     if ratios:
         notes.append(f"What a step adds is {min(ratios):.2f} to {max(ratios):.2f} times pipe.memory()'s prediction "
-                     "over every torchpipe row: above 1 by a backward's temporaries, which it leaves out; below "
-                     "where it counts a bound (each micro-batch held to its backward's end, the receives posted "
-                     "ahead as resident before their messages fill them).")
+                     "over every torchpipe row: above 1 by what it leaves out (what an operator's backward "
+                     "allocates and frees inside itself, the allocator's slack); below where it counts a bound "
+                     "(each micro-batch held to its backward's end beside all that backward makes, the receives "
+                     "posted ahead as resident before their messages fill them).")
     notes.append(recomputation_times(results["timing"], results["timing_rounds"]))
     return Summary(HEADERS, table, notes)
 

@@ -64,5 +64,5 @@ def planned(rank: int, world: int, memory_limit: float, recompute: str = "full")
              for name, p in pipe.named_parameters()}
     report = pipe.memory()
     return {"before": before, "schedule": pipe.schedule_name, "held": report.held, "peak": report.predicted_peak,
-            "gradients": report.gradients, "buffers": report.buffers,
+            "gradients": report.gradients, "buffers": report.buffers, "temporaries": report.temporaries,
             "loss": abs(loss.item() - expected.item()), "grads": max(grads.values())}

@@ -36,13 +36,15 @@ def test_memory_limit_chooses_alike_on_every_rank_from_every_ranks_bytes() -> No
     roomy = ok(launch("tests.distributed.ranks_memory:planned", 2, timeout=240, memory_limit=1 << 30))
     assert all("nothing measured yet" in r["before"] for r in roomy)
     first_stage = roomy[0]["held"][0][0]  # bytes per micro-batch of stage 0, on rank 0
-    # 1F1B's peaks: two micro-batches on rank 0, one on rank 1, each with its stage's gradients (made at its
-    # first backward) and the receives its transport posts ahead (8 messages over gloo).
+    # 1F1B's peaks, at each rank's second backward: two micro-batches on rank 0, one on rank 1, each with its
+    # stage's gradients (made by its first backward), what the second makes on its way, and the receives its
+    # transport posts ahead (8 messages over gloo).
     for rank, result in enumerate(roomy):
         assert result["gradients"] == {rank: 8 * (8 * 64 + 64 + 64 * 8 + 8)}, result  # float64 weights, biases
         # Each message 4 rows of 8 float64 after its header (256 int64s): activations to rank 1, gradients back.
         assert result["buffers"] == {rank: 8 * packed_bytes(((torch.float64, (4, 8)),))} == {rank: 8 * 2304}, result
-    extra = [r["gradients"][rank] + r["buffers"][rank] for rank, r in enumerate(roomy)]
+        assert result["temporaries"][rank][1] > 0, result
+    extra = [r["gradients"][rank] + r["temporaries"][rank][1] + r["buffers"][rank] for rank, r in enumerate(roomy)]
     limit = max(2 * first_stage + extra[0], roomy[1]["held"][1][0] + extra[1])
     results = ok(launch("tests.distributed.ranks_memory:planned", 2, timeout=240, memory_limit=limit))
     assert len({r["schedule"] for r in results}) == 1 and results[0]["schedule"] != "gpipe", results

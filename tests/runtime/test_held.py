@@ -1,6 +1,7 @@
 """pipe.memory(): the bytes each (stage, micro-batch) holds from its forward to its backward, counted on the first
 training step, and the predicted peak of the schedule (see [Note: held bytes])."""
 import copy
+from typing import Tuple
 
 import pytest
 import torch
@@ -30,8 +31,8 @@ def test_before_the_first_step_nothing_is_measured() -> None:
     assert "nothing measured yet" in str(report) and "first training step" in str(report)
 
 
-@pytest.mark.parametrize("schedule, held_at_once", [("gpipe", CHUNKS), ("1f1b", 2)])
-def test_the_bytes_are_what_autograd_keeps(schedule: str, held_at_once: int) -> None:
+@pytest.mark.parametrize("schedule, held_at_second", [("gpipe", (CHUNKS - 1, CHUNKS - 1)), ("1f1b", (2, 1))])
+def test_the_bytes_are_what_autograd_keeps(schedule: str, held_at_second: Tuple[int, int]) -> None:
     pipe = pipe_of(schedule=schedule)
     pipe.step(torch.randn(ROWS * CHUNKS, 16))
     report = pipe.memory()
@@ -43,8 +44,14 @@ def test_the_bytes_are_what_autograd_keeps(schedule: str, held_at_once: int) -> 
     # The step made each stage's gradients (none existed before it): weights and biases, 4 bytes each.
     gradients = {0: 4 * (16 * 64 + 64), 1: 4 * (64 * 16 + 16)}
     assert report.gradients == gradients and report.buffers == {}  # one process: no receive posted ahead
-    # Both schedules reach their peak at a stage's first backward, its gradients made while it holds the most.
-    peak = {0: held_at_once * first + gradients[0], 1: (CHUNKS if schedule == "gpipe" else 1) * second + gradients[1]}
+    # What a backward makes on its way, the most at once: stage 0's Tanh's input gradient (ROWS x 64 floats), then
+    # beside it the Linear's weight and bias gradients (its input needs none); stage 1's loss gradient expanded (one
+    # float), then the Linear's input, weight and bias gradients at once.
+    temporaries = {0: 4 * (ROWS * 64 + 16 * 64 + 64), 1: 4 + 4 * (ROWS * 64 + 64 * 16 + 16)}
+    assert report.temporaries == {s: (t,) * CHUNKS for s, t in temporaries.items()}
+    # Both schedules reach their peak at a stage's second backward: the gradients its first one made (counted
+    # among that one's temporaries while it ran), the pairs it still holds, what the second makes on its way.
+    peak = {s: held_at_second[s] * (first, second)[s] + gradients[s] + temporaries[s] for s in (0, 1)}
     assert report.predicted_peak == peak
     assert f"predicted peak of worker 0: {peak[0]} bytes" in str(report)
 
@@ -68,8 +75,10 @@ def test_a_checkpointed_micro_batch_holds_its_input_and_its_recomputation_the_re
     report = pipe.memory()
     assert report.held[0] == (4 * ROWS * 16,) * CHUNKS  # the copy of its input
     assert report.recomputed[0] == (4 * ROWS * 64,) * CHUNKS  # Tanh's output, while recomputed
-    # GPipe: every input copy at once, one recomputed graph, and the gradients.
-    assert report.predicted_peak[0] == CHUNKS * 4 * ROWS * 16 + 4 * ROWS * 64 + report.gradients[0]
+    # GPipe: at its second backward, the other input copies, one recomputed graph, the gradients the first
+    # backward made and what the second makes on its way.
+    assert report.predicted_peak[0] == ((CHUNKS - 1) * 4 * ROWS * 16 + 4 * ROWS * 64 + report.gradients[0]
+                                        + report.temporaries[0][1])
 
 
 def test_selective_holds_the_matmul_outputs_too() -> None:
@@ -114,10 +123,16 @@ def test_a_split_backward_holds_the_gradients_its_weight_half_starts_from() -> N
     report = pipe.memory()
     assert report.deferred == {0: (4 * ROWS * 64,) * CHUNKS, 1: (4,) * CHUNKS}
     assert "(+ 1024 from I to W)" in str(report)
+    # Each half's temporaries while it runs, the larger counted: stage 1's I makes the loss gradient expanded and
+    # the Linear's input gradient (4 + ROWS x 64 floats), its W the weight and bias gradients (64 x 16 + 16
+    # floats). Stage 0's input needs no gradient, so its W runs the whole backward (as test_the_bytes_are...).
+    assert report.temporaries == {0: (4 * (ROWS * 64 + 16 * 64 + 64),) * CHUNKS, 1: (4 * (64 * 16 + 16),) * CHUNKS}
     sizes, deferred = [report.held[0], report.held[1]], [report.deferred[0], report.deferred[1]]
     gradients = [report.gradients[0], report.gradients[1]]
+    temporaries = [report.temporaries[0], report.temporaries[1]]
     expected = simulate(zero_bubble(CHUNKS, 2), {k: 1.0 for k in Kind}, sizes=sizes, deferred=deferred,
-                        gradients=gradients).peak_bytes
+                        gradients=gradients, temporaries=temporaries).peak_bytes
     assert report.predicted_peak == {0: int(expected[0]), 1: int(expected[1])}
-    without = simulate(zero_bubble(CHUNKS, 2), {k: 1.0 for k in Kind}, sizes=sizes, gradients=gradients).peak_bytes
+    without = simulate(zero_bubble(CHUNKS, 2), {k: 1.0 for k in Kind}, sizes=sizes, gradients=gradients,
+                       temporaries=temporaries).peak_bytes
     assert expected[0] > without[0]  # the deferred gradients are part of worker 0's peak

@@ -1,5 +1,5 @@
 """The schedule is data: literal equality, string forms, validation and simulation."""
-from typing import List
+from typing import Dict, List, Optional
 
 import pytest
 from hypothesis import given
@@ -389,6 +389,25 @@ def test_a_stages_gradients_are_held_from_its_first_backward_to_the_steps_end() 
         simulate(gpipe(2, 2), gradients=[1])
     with pytest.raises(ValueError, match=r"gradients\[0\] must be bytes"):
         simulate(gpipe(2, 2), gradients=[-1, 0])
+
+
+@pytest.mark.parametrize("costs", [None, {kind: 0.0 for kind in Kind}], ids=["timed", "instant"])
+def test_a_backwards_temporaries_are_held_while_it_runs(costs: Optional[Dict[Kind, float]]) -> None:
+    # 1F1B, 2 workers, 4 micro-batches; worker 0 runs 0F0 0F1 0B0 0F2 0B1 ..., worker 1 0F0's B right after its F.
+    schedule = one_f_one_b(4, 2)
+    # A backward's 10 bytes come on top of the pairs held (2 on worker 0, 1 on worker 1) and go as it ends; in
+    # no time at all (every action instant), too.
+    assert simulate(schedule, costs, sizes=[1, 1], temporaries=[10, 10]).peak_bytes == (12.0, 11.0)
+    # With temporaries, the first backward's are where its gradients are made: they are held from its end, so
+    # the peak is the second backward's: worker 0's 2 pairs, the gradients and its temporaries.
+    run = simulate(schedule, costs, sizes=[1, 1], gradients=[100, 100], temporaries=[10, 10])
+    assert run.peak_bytes == (112.0, 111.0)
+    # Without, they are held from the first backward's start.
+    assert simulate(schedule, costs, sizes=[1, 1], gradients=[100, 100]).peak_bytes == (102.0, 101.0)
+    # A split backward's I and W each hold theirs while they run: ZB-H1's worker 0 runs each W right after its I.
+    assert simulate(zero_bubble(4, 2), SPLIT_UNIT, temporaries=[[5, 6, 7, 8], 1]).peak_bytes == (8.0, 1.0)
+    with pytest.raises(ValueError, match=r"temporaries\[0\] must be bytes"):
+        simulate(schedule, temporaries=[-1, 0])
 
 
 def test_peak_bytes_need_sizes_for_every_stage() -> None:

@@ -387,9 +387,12 @@ def test_a_pipeline_with_memory_limit_chooses_within_it_or_refuses_on_its_first_
     roomy = Pipeline(copy.deepcopy(module), [2, 2], chunks=8, schedule="auto", memory_limit=1 << 30, loss_fn=mse,
                      devices=["cpu", "cpu"])
     roomy.step(x, y)
-    held, gradients = roomy.memory().held, roomy.memory().gradients
-    # 1F1B's workers peak at their first backward, which makes their gradients.
-    one_f_one_b = max(2 * held[0][0] + gradients[0], held[1][0] + gradients[1])
+    report = roomy.memory()
+    held, gradients, temporaries = report.held, report.gradients, report.temporaries
+    # 1F1B's workers peak at their second backward: the gradients the first made, the pairs held, what the
+    # second makes on its way.
+    one_f_one_b = max(2 * held[0][0] + gradients[0] + temporaries[0][0],
+                      held[1][0] + gradients[1] + temporaries[1][0])
     # Just enough for 1F1B: never GPipe, whose first worker holds all eight micro-batches.
     tight = Pipeline(copy.deepcopy(module), [2, 2], chunks=8, schedule="auto", memory_limit=one_f_one_b,
                      loss_fn=mse, devices=["cpu", "cpu"])

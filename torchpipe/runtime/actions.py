@@ -343,6 +343,22 @@ def backward(step: Step, action: Action) -> None:
     key = step.keys[i]
     keep = key is not None and key.observed
     found: List[Optional[Tensor]]
+    if step.memory is not None:
+        step.memory.watch(s, i, roots)
+    try:
+        found = _run_backward(step, s, roots, grads, inputs, keep)
+    finally:
+        if step.memory is not None:
+            step.memory.settle(s, i)
+    del roots, grads, state
+    input_grads, skip_grads = _split(found, count, popped)
+    _hand_back(step, action, input_grads, skip_grads)
+
+
+def _run_backward(step: Step, s: int, roots: List[Tensor], grads: List[Tensor], inputs: List[Tensor],
+                  keep: bool) -> List[Optional[Tensor]]:
+    """A whole backward of stage ``s``'s graph from ``roots``: the gradients of ``inputs`` (None where none)."""
+    found: List[Optional[Tensor]]
     if not roots:
         found = [None] * len(inputs)
     elif step.param_grads is None or step.param_grads.needed is None or step.param_grads.direct:
@@ -364,9 +380,7 @@ def backward(step: Step, action: Action) -> None:
             torch.autograd.backward(roots, grads, retain_graph=keep)
         kept.accumulate(s, sums)
         found = [x.grad if x.requires_grad else None for x in inputs]
-    del roots, grads, state
-    input_grads, skip_grads = _split(found, count, popped)
-    _hand_back(step, action, input_grads, skip_grads)
+    return found
 
 
 def backward_input(step: Step, action: Action) -> None:
@@ -377,6 +391,8 @@ def backward_input(step: Step, action: Action) -> None:
     state = step.states[(s, i)]
     roots, grads = _output_roots(step, s, i, state)
     inputs, popped = _inputs(step, s, i, state)
+    if step.memory is not None:
+        step.memory.watch(s, i, roots)  # until its W (settled there)
     found, state.weight = split_input(roots, grads, inputs)
     if step.memory is not None and state.weight is not None:
         step.memory.defer(s, i, state.weight.seeds())
@@ -387,9 +403,16 @@ def backward_input(step: Step, action: Action) -> None:
 
 def backward_weight(step: Step, action: Action) -> None:
     """``sWi``: the gradients of stage ``s``'s parameters for micro-batch ``i``, into ``.grad``; graph freed."""
-    state = step.states.pop((action.stage, action.microbatch))
-    if state.weight is not None:
-        split_weight(state.weight)
+    s, i = action.stage, action.microbatch
+    state = step.states.pop((s, i))
+    if step.memory is not None:
+        step.memory.watch(s, i, ())
+    try:
+        if state.weight is not None:
+            split_weight(state.weight)
+    finally:
+        if step.memory is not None:
+            step.memory.settle(s, i)
 
 
 _ACTIONS = {

@@ -11,11 +11,12 @@ way, is held from its ``R`` to its ``B`` only, one micro-batch at a time on a wo
 leaves its ``W`` the gradients ``W`` starts from (see [Note: zero-bubble]), held until ``W``. As the step ends it
 counts the gradients it made (of the parameters whose ``.grad`` was None as it began) and takes from the
 transport the most bytes its receives posted ahead hold once the messages' layouts are known (across
-processes). These are the ``sizes``, ``recomputed``, ``deferred`` and ``gradients`` of
+processes). A backward (its ``B``, or its ``I`` and ``W``) also makes gradients that live only while it runs:
+the most of them at once is counted through a hook on each node of the pair's graph (:class:`Temporaries`).
+These are the ``sizes``, ``recomputed``, ``deferred``, ``gradients`` and ``temporaries`` of
 :func:`~torchpipe.schedule.simulate`, whose ``peak_bytes`` (plus the buffers) predict a schedule's peak: the
-bytes a step adds. Not counted: the parameters (held before the step), a backward's own temporaries (the
-gradients of the activations it passes through, a weight's gradient before it is added to ``.grad``) and the
-allocator's slack.
+bytes a step adds. Not counted: the parameters (held before the step), what an operator's backward allocates
+and frees inside itself, and the allocator's slack.
 """
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
@@ -84,6 +85,78 @@ def _unpack(tensor: Tensor) -> Tensor:
     return tensor
 
 
+class Temporaries:
+    """The gradients a (stage, micro-batch)'s backward runs make as they go, the most at once (see [Note: held
+    bytes]): a hook on each node of its graph counts the storages of the gradients the node made, until the nodes
+    they flow to have run. A gradient for a leaf (a parameter, the stage's input) counts only as it is made: what
+    goes on to ``.grad`` is the step's gradients, counted apart. The gradients a run starts from (received, or
+    what ``I`` kept for ``W``) are counted elsewhere too, so not here."""
+
+    __slots__ = ("most", "_handles", "_pending", "_refs", "_live")
+
+    def __init__(self, roots: Sequence[Tensor]) -> None:
+        #: The most bytes of gradients made and not yet taken at once, over the runs so far.
+        self.most = 0
+        self._pending: Dict[Any, List[int]] = {}
+        self._refs: Dict[int, List[int]] = {}  # storage -> [bytes, the nodes yet to take it]
+        self._live = 0
+        self._handles: List[Any] = []
+        stack: List[Any] = [root.grad_fn for root in roots if root.grad_fn is not None]
+        seen: Set[Any] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack += [following for following, _ in node.next_functions]
+            if not _is_leaf_node(node):  # a leaf's node may be another stage's too (a tied parameter)
+                self._handles.append(node.register_hook(self._hook(node)))
+
+    def _hook(self, node: Any) -> Any:
+        def made(grad_inputs: Sequence[Optional[Tensor]], grad_outputs: Sequence[Optional[Tensor]]) -> None:
+            new: Dict[int, int] = {}
+            kept: List[Tuple[Any, int]] = []
+            for (following, _), grad in zip(node.next_functions, grad_inputs):
+                found = _storage(grad) if isinstance(grad, Tensor) else None
+                if found is None or found[0] == 0:
+                    continue
+                where, storage = found
+                if where not in self._refs:
+                    new[where] = int(storage.nbytes())
+                if following is not None and not _is_leaf_node(following):
+                    kept.append((following, where))
+            self.most = max(self.most, self._live + sum(new.values()))
+            for following, where in kept:
+                entry = self._refs.setdefault(where, [new.get(where, 0), 0])
+                if entry[1] == 0 and where in new:
+                    self._live += entry[0]
+                entry[1] += 1
+                self._pending.setdefault(following, []).append(where)
+            for where in self._pending.pop(node, []):  # what this node took is freed as it ends
+                entry = self._refs[where]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._live -= entry[0]
+                    del self._refs[where]
+
+        return made
+
+    def run(self) -> None:
+        """Before each backward run: nothing made yet in it."""
+        self._pending, self._refs, self._live = {}, {}, 0
+
+    def remove(self) -> None:
+        """The hooks taken off the graph (after its last run)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _is_leaf_node(node: Any) -> bool:
+    """Whether ``node`` accumulates into a leaf (a parameter, a stage's input): ``AccumulateGrad``."""
+    return hasattr(node, "variable")
+
+
 def kept_tensors(selective: Any) -> Iterator[Tensor]:
     """The tensors a selective forward kept for its recomputation (in its first context's storage)."""
     stack: List[Any] = [getattr(getattr(selective, "first", None), "storage", None)]
@@ -119,6 +192,10 @@ class Measured:
         self.recomputed: Dict[Tuple[int, int], int] = {}
         #: Per pair whose backward is split: the bytes of the gradients its ``W`` starts from, from its ``I``.
         self.deferred: Dict[Tuple[int, int], int] = {}
+        #: Per pair: the most bytes of gradients its backward (``B``, or ``I`` and ``W``) made and had not yet
+        #: taken at once (:class:`Temporaries`).
+        self.temporaries: Dict[Tuple[int, int], int] = {}
+        self._watched: Dict[Tuple[int, int], Temporaries] = {}
         #: Per stage of this rank: the bytes of the parameter gradients the step made (set as it ends).
         self.gradients: Dict[int, int] = {}
         #: Per worker of this rank: the most bytes its transport held at once in receives posted ahead (set as
@@ -163,6 +240,21 @@ class Measured:
         if graph is not None:
             self.recomputed[(s, i)] = graph.bytes(besides=forward)
 
+    def watch(self, s: int, i: int, roots: Sequence[Tensor]) -> None:
+        """Before a backward run of the pair (its ``B``; its ``I``, then its ``W``): counts the gradients it makes,
+        through hooks on the graph of ``roots`` (put on at its first run)."""
+        watched = self._watched.get((s, i))
+        if watched is None:
+            watched = self._watched[(s, i)] = Temporaries(roots)
+        watched.run()
+
+    def settle(self, s: int, i: int) -> None:
+        """After the pair's last backward run: the most its runs made at once, and the hooks off its graph."""
+        watched = self._watched.pop((s, i), None)
+        if watched is not None:
+            watched.remove()
+            self.temporaries[(s, i)] = max(self.temporaries.get((s, i), 0), watched.most)
+
     def defer(self, s: int, i: int, seeds: Iterable[Tensor]) -> None:
         """Counts what the pair's ``I`` left for its ``W``: the gradients ``W`` starts from."""
         kept = Holding(frozenset())
@@ -187,7 +279,8 @@ class Measured:
                          {k: float(v) for k, v in self.recomputed.items()},
                          {k: float(v) for k, v in self.deferred.items()},
                          {s: float(v) for s, v in self.gradients.items()},
-                         {w: float(v) for w, v in self.buffers.items()})
+                         {w: float(v) for w, v in self.buffers.items()},
+                         {k: float(v) for k, v in self.temporaries.items()})
 
 
 @dataclass(frozen=True)
@@ -215,6 +308,9 @@ class MemoryReport:
     #: activations and gradients as :attr:`~torchpipe.schedule.Simulation.peak_bytes` has them come and go,
     #: and the buffers.
     predicted_peak: Dict[int, int] = field(default_factory=dict)
+    #: Per stage of this rank: the most bytes of gradients each micro-batch's backward made on its way (of the
+    #: activations it passed through, of the weights before they reached ``.grad``), held while it ran.
+    temporaries: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def measured(self) -> bool:
@@ -230,6 +326,8 @@ class MemoryReport:
             extra = f" (+ {most} while recomputed)" if most else ""
             waiting = max(self.deferred.get(s, (0,)), default=0)
             extra += f" (+ {waiting} from I to W)" if waiting else ""
+            making = max(self.temporaries.get(s, (0,)), default=0)
+            extra += f" (+ {making} while its backward runs)" if making else ""
             lines.append(f"  stage {s}: {', '.join(str(b) for b in held)}{extra}; "
                          f"its gradients {self.gradients.get(s, 0)}")
         lines += [f"  receives posted ahead on worker {w}: at most {b}" for w, b in self.buffers.items()]
@@ -244,7 +342,7 @@ def report(measured: Optional[Measured], schedule: Schedule, workers: Sequence[i
     if measured is None or footprint is None:
         return MemoryReport(name)
     peaks = footprint.peaks(schedule)
-    held, again, deferred = footprint.sizes(schedule.stages, schedule.microbatches)
+    held, again, deferred, temporaries = footprint.sizes(schedule.stages, schedule.microbatches)
     local = sorted({s for s, _ in measured.pairs})
     return MemoryReport(
         name,
@@ -254,4 +352,5 @@ def report(measured: Optional[Measured], schedule: Schedule, workers: Sequence[i
         {s: int(measured.gradients.get(s, 0)) for s in local},
         {w: int(b) for w, b in measured.buffers.items()},
         {w: int(peaks[w]) for w in workers},
+        {s: tuple(int(b) for b in temporaries[s]) for s in local},
     )

@@ -192,6 +192,9 @@ class Simulation:
     #: Per stage, the bytes of the parameters' gradients its backward makes, held from the start of its first
     #: ``B`` or ``W`` to the step's end (``gradients=``; empty: not given).
     gradients: Tuple[float, ...] = field(default=(), repr=False)
+    #: Per stage, the bytes each backward action (``B``, ``I`` or ``W``) adds while it runs: the gradients it
+    #: makes on the way (``temporaries=``).
+    temporaries: Tuple[Tuple[float, ...], ...] = field(default=(), repr=False)
 
     @property
     def peak_activations(self) -> Tuple[int, ...]:
@@ -211,8 +214,10 @@ class Simulation:
     def peak_bytes(self) -> Tuple[float, ...]:
         """Per worker, the most bytes it holds at once: each pair held as in :attr:`peak_activations`, weighed
         by its stage's size for the micro-batch (``sizes=``), a recomputed pair's graph from its ``R`` on
-        (``recomputed=``), what a split backward keeps for its ``W`` from its ``I`` on (``deferred=``), and each
-        stage's parameter gradients from its first ``B`` or ``W`` to the step's end (``gradients=``).
+        (``recomputed=``), what a split backward keeps for its ``W`` from its ``I`` on (``deferred=``), each
+        stage's parameter gradients from its first ``B`` or ``W`` to the step's end (``gradients=``), and what
+        each backward action makes on its way, while it runs (``temporaries=``: then the first ``B`` or ``W``
+        counts the gradients it makes among them, and they are held from its end on).
 
         Raises:
             ValueError: :func:`simulate` was given no ``sizes``.
@@ -229,11 +234,18 @@ class Simulation:
             weights[Kind.RECOMPUTE] = lambda s, i: size(self.recomputed, s, i)
         if self.deferred:
             weights[Kind.BACKWARD_INPUT] = lambda s, i: size(self.deferred, s, i)
-        return self._peaks(weights, self.gradients)
+        during: Optional[Callable[[int, int], float]] = None
+        if self.temporaries:
+            during = lambda s, i: size(self.temporaries, s, i)  # noqa: E731
+        return self._peaks(weights, self.gradients, during)
 
-    def _peaks(self, weights: Mapping[Kind, Callable[[int, int], float]], gradients: Sequence[float] = ()
-               ) -> Tuple[float, ...]:
-        # Each action of a kind in ``weights`` holds its weight from its start to its pair's end.
+    def _peaks(self, weights: Mapping[Kind, Callable[[int, int], float]], gradients: Sequence[float] = (),
+               during: Optional[Callable[[int, int], float]] = None) -> Tuple[float, ...]:
+        # Each action of a kind in ``weights`` holds its weight from its start to its pair's end; each backward
+        # action holds ``during`` while it runs, on top of what its pair holds until it ends (its own events
+        # just before and just after the others at its place in the worker's list); a stage's parameter
+        # gradients are held from the start of its first B or W, or, with ``during`` (which counts them as
+        # they are made), from its end.
         # Each pair's end, and where its worker's list runs what ends it: at one instant (actions that take no
         # time), what ends and starts goes in the worker's order, so a pair held until an action ends before one
         # that a later action starts, and one held for no time still counts.
@@ -242,23 +254,31 @@ class Simulation:
         for action, finish in self.end.items():
             if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                 ends[(action.stage, action.microbatch)] = (finish, position[action])
-        events: List[List[Tuple[float, int, float]]] = [[] for _ in self.busy]
-        #: Per stage, where the first of its actions that make its gradients starts: they stay to the step's end.
-        making: Dict[int, Tuple[float, int]] = {}
+        events: List[List[Tuple[float, float, float]]] = [[] for _ in self.busy]
+        #: Per stage, the first of its actions that make its gradients, and where it starts: they stay to the
+        #: step's end.
+        making: Dict[int, Tuple[float, int, Action]] = {}
         for action, begin in self.start.items():
             pair = (action.stage, action.microbatch)
             if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
-                making[action.stage] = min(making.get(action.stage, (begin, position[action])),
-                                           (begin, position[action]))
+                earliest = making.get(action.stage)
+                if earliest is None or (begin, position[action]) < earliest[:2]:
+                    making[action.stage] = (begin, position[action], action)
+            if during is not None and action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+                made = during(*pair)
+                events[self.stage_workers[action.stage]] += [(begin, position[action] - 0.5, made),
+                                                             (self.end[action], position[action] + 0.5, -made)]
             of = weights.get(action.kind)
             if of is None:
                 continue
             weight = of(*pair)
             until, at = ends.get(pair, (self.step_time, len(position)))
             events[self.stage_workers[action.stage]] += [(begin, position[action], weight), (until, at, -weight)]
-        for s, (begin, at) in making.items():
+        for s, (begin, at, maker) in making.items():
+            # Made by the first such action: counted in its temporaries while it runs, where they are given.
+            since = (self.end[maker], at + 0.5) if during is not None else (begin, at)
             if s < len(gradients) and gradients[s]:
-                events[self.stage_workers[s]] += [(begin, at, gradients[s]),
+                events[self.stage_workers[s]] += [(*since, gradients[s]),
                                                   (self.step_time, len(position), -gradients[s])]
         peaks = []
         for worker in events:
@@ -282,7 +302,8 @@ def shorter(step: float, than: float) -> bool:
 
 def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication: float = 0.0,
              sizes: Optional[Sizes] = None, recomputed: Optional[Sizes] = None,
-             deferred: Optional[Sizes] = None, gradients: Optional[Sequence[float]] = None) -> Simulation:
+             deferred: Optional[Sizes] = None, gradients: Optional[Sequence[float]] = None,
+             temporaries: Optional[Sizes] = None) -> Simulation:
     """Runs ``schedule`` in virtual time; raises ``ValueError`` naming the stuck actions if it deadlocks.
 
     Args:
@@ -298,6 +319,9 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
             graph's weight operations that its ``W`` starts from.
         gradients: one figure per stage: the bytes of the gradients its backward makes for its parameters, held
             from its first ``B`` (or ``W``) to the step's end (0 where they exist before the step).
+        temporaries: as ``sizes``, what each backward action (``B``, ``I`` or ``W``) adds while it runs: the
+            gradients it makes on its way (of the activations it passes through, of the weights before they
+            reach ``.grad``, which the first one makes for good: ``gradients`` are then held from its end).
 
     Example::
 
@@ -307,7 +331,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
     """
     cost = cost_function(costs)
     run = play(schedule, lambda action, begin: cost(action), communication)
-    if sizes is None and recomputed is None and deferred is None and gradients is None:
+    if sizes is None and recomputed is None and deferred is None and gradients is None and temporaries is None:
         return run
     microbatches = max((a.microbatch + 1 for a in schedule.actions()), default=0)
     return replace(run, sizes=_sizes(sizes or [0.0] * schedule.stages, schedule.stages, microbatches, "sizes"),
@@ -316,7 +340,9 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
                    deferred=(_sizes(deferred, schedule.stages, microbatches, "deferred")
                              if deferred is not None else ()),
                    gradients=(tuple(row[0] for row in _sizes(list(gradients), schedule.stages, 1, "gradients"))
-                              if gradients is not None else ()))
+                              if gradients is not None else ()),
+                   temporaries=(_sizes(temporaries, schedule.stages, microbatches, "temporaries")
+                                if temporaries is not None else ()))
 
 
 def _sizes(sizes: Sizes, stages: int, microbatches: int, name: str) -> Tuple[Tuple[float, ...], ...]:

@@ -29,10 +29,12 @@ class Footprint:
     gradients: Mapping[int, float] = field(default_factory=dict)
     #: Per worker: the most bytes its transport held at once in receives posted for messages not taken yet.
     buffers: Mapping[int, float] = field(default_factory=dict)
+    #: Per (stage, micro-batch): the most bytes of gradients its backward made and had not yet taken at once.
+    temporaries: Mapping[Tuple[int, int], float] = field(default_factory=dict)
 
-    def sizes(self, stages: int, microbatches: int) -> Tuple[List[List[float]], List[List[float]], List[List[float]]]:
-        """``sizes``, ``recomputed`` and ``deferred`` for :func:`~torchpipe.schedule.simulate`: per stage, per
-        micro-batch (one not measured as the stage's largest; 0 for a stage with none)."""
+    def sizes(self, stages: int, microbatches: int) -> Tuple[List[List[float]], ...]:
+        """``sizes``, ``recomputed``, ``deferred`` and ``temporaries`` for :func:`~torchpipe.schedule.simulate`:
+        per stage, per micro-batch (one not measured as the stage's largest; 0 for a stage with none)."""
 
         def rows(table: Mapping[Tuple[int, int], float]) -> List[List[float]]:
             most: Dict[int, float] = {}
@@ -40,17 +42,17 @@ class Footprint:
                 most[s] = max(most.get(s, 0.0), v)
             return [[float(table.get((s, i), most.get(s, 0.0))) for i in range(microbatches)] for s in range(stages)]
 
-        return rows(self.held), rows(self.recomputed), rows(self.deferred)
+        return rows(self.held), rows(self.recomputed), rows(self.deferred), rows(self.temporaries)
 
     def peaks(self, schedule: Schedule) -> Tuple[float, ...]:
         """Per worker, the predicted peak bytes under ``schedule`` (given without recomputations: those of the
         recomputed pairs are added): activations and gradients as they come and go, and the worker's message
         buffers (their most, as measured, whenever it comes)."""
         recomputing = with_recomputation(schedule, lambda s, i: (s, i) in self.recomputed)
-        held, again, deferred = self.sizes(schedule.stages, schedule.microbatches)
+        held, again, deferred, temporaries = self.sizes(schedule.stages, schedule.microbatches)
         gradients = [float(self.gradients.get(s, 0.0)) for s in range(schedule.stages)]
         peaks = simulate(recomputing, {kind: 1.0 for kind in Kind}, sizes=held, recomputed=again,
-                         deferred=deferred, gradients=gradients).peak_bytes
+                         deferred=deferred, gradients=gradients, temporaries=temporaries).peak_bytes
         return tuple(peak + float(self.buffers.get(w, 0.0)) for w, peak in enumerate(peaks))
 
     def peak(self, schedule: Schedule) -> float:
@@ -65,22 +67,24 @@ def exchanged_footprint(mine: Optional[Footprint], exchange: Optional[Exchange])
     Raises:
         ValueError: no rank measured anything (the first training step had no backward).
     """
-    values: List[float] = []  # fives: (stage, micro-batch, held, recomputed, deferred), -1 for none
+    # sixes: (stage, micro-batch, held, recomputed, deferred, temporaries), -1 for none
+    values: List[float] = []
     if mine is not None:
         for (s, i), held in mine.held.items():
             values += [float(s), float(i), float(held), float(mine.recomputed.get((s, i), -1.0)),
-                       float(mine.deferred.get((s, i), -1.0))]
+                       float(mine.deferred.get((s, i), -1.0)), float(mine.temporaries.get((s, i), -1.0))]
         for s, made in mine.gradients.items():
-            values += [float(s), _GRADIENTS, float(made), -1.0, -1.0]
+            values += [float(s), _GRADIENTS, float(made), -1.0, -1.0, -1.0]
         for w, most in mine.buffers.items():
-            values += [float(w), _BUFFERS, float(most), -1.0, -1.0]
+            values += [float(w), _BUFFERS, float(most), -1.0, -1.0, -1.0]
     held_by: Dict[Tuple[int, int], float] = {}
     recomputed: Dict[Tuple[int, int], float] = {}
     deferred: Dict[Tuple[int, int], float] = {}
+    temporaries: Dict[Tuple[int, int], float] = {}
     gradients: Dict[int, float] = {}
     buffers: Dict[int, float] = {}
     for record in (exchange(values) if exchange is not None else [values]):
-        for k in range(0, len(record) - 4, 5):
+        for k in range(0, len(record) - 5, 6):
             where, what, figure = int(record[k]), record[k + 1], record[k + 2]
             if what == _GRADIENTS:
                 gradients[where] = figure
@@ -89,14 +93,14 @@ def exchanged_footprint(mine: Optional[Footprint], exchange: Optional[Exchange])
             else:
                 pair = (where, int(what))
                 held_by[pair] = figure
-                if record[k + 3] >= 0:
-                    recomputed[pair] = record[k + 3]
-                if record[k + 4] >= 0:
-                    deferred[pair] = record[k + 4]
+                for table, value in ((recomputed, record[k + 3]), (deferred, record[k + 4]),
+                                     (temporaries, record[k + 5])):
+                    if value >= 0:
+                        table[pair] = value
     if not held_by:
         raise ValueError("memory_limit= chooses by the bytes the first training step measured, and it measured "
                          "none: a step with a backward measures them")
-    return Footprint(held_by, recomputed, deferred, gradients, buffers)
+    return Footprint(held_by, recomputed, deferred, gradients, buffers, temporaries)
 
 
 def verify_memory_limit(memory_limit: Any, schedule: Any) -> Optional[float]:
