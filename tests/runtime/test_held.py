@@ -1,6 +1,8 @@
 """pipe.memory(): the bytes each (stage, micro-batch) holds from its forward to its backward, counted on the first
 training step, and the predicted peak of the schedule (see [Note: held bytes])."""
 import copy
+import gc
+import weakref
 from typing import Tuple
 
 import pytest
@@ -9,6 +11,7 @@ from torch import nn
 
 from tests.models import grads_of
 from torchpipe import Pipeline
+from torchpipe.runtime.held import Temporaries, measuring_time
 from torchpipe.schedule import Kind, simulate, zero_bubble
 
 ROWS, CHUNKS = 4, 4  # rows per micro-batch
@@ -45,9 +48,9 @@ def test_the_bytes_are_what_autograd_keeps(schedule: str, held_at_second: Tuple[
     gradients = {0: 4 * (16 * 64 + 64), 1: 4 * (64 * 16 + 16)}
     assert report.gradients == gradients and report.buffers == {}  # one process: no receive posted ahead
     # What a backward makes on its way, the most at once: stage 0's Tanh's input gradient (ROWS x 64 floats), then
-    # beside it the Linear's weight and bias gradients (its input needs none); stage 1's loss gradient expanded (one
-    # float), then the Linear's input, weight and bias gradients at once.
-    temporaries = {0: 4 * (ROWS * 64 + 16 * 64 + 64), 1: 4 + 4 * (ROWS * 64 + 64 * 16 + 16)}
+    # beside it the Linear's weight and bias gradients (its input needs none); stage 1's the Linear's input, weight
+    # and bias gradients at once (the loss gradient expanded is a view of the one the backward starts from).
+    temporaries = {0: 4 * (ROWS * 64 + 16 * 64 + 64), 1: 4 * (ROWS * 64 + 64 * 16 + 16)}
     assert report.temporaries == {s: (t,) * CHUNKS for s, t in temporaries.items()}
     # Both schedules reach their peak at a stage's second backward: the gradients its first one made (counted
     # among that one's temporaries while it ran), the pairs it still holds, what the second makes on its way.
@@ -123,9 +126,9 @@ def test_a_split_backward_holds_the_gradients_its_weight_half_starts_from() -> N
     report = pipe.memory()
     assert report.deferred == {0: (4 * ROWS * 64,) * CHUNKS, 1: (4,) * CHUNKS}
     assert "(+ 1024 from I to W)" in str(report)
-    # Each half's temporaries while it runs, the larger counted: stage 1's I makes the loss gradient expanded and
-    # the Linear's input gradient (4 + ROWS x 64 floats), its W the weight and bias gradients (64 x 16 + 16
-    # floats). Stage 0's input needs no gradient, so its W runs the whole backward (as test_the_bytes_are...).
+    # Each half's temporaries while it runs, the larger counted: stage 1's I makes the Linear's input gradient
+    # (ROWS x 64 floats), its W the weight and bias gradients (64 x 16 + 16 floats). Stage 0's input needs no
+    # gradient, so its W runs the whole backward (as test_the_bytes_are_what_autograd_keeps counts it).
     assert report.temporaries == {0: (4 * (ROWS * 64 + 16 * 64 + 64),) * CHUNKS, 1: (4 * (64 * 16 + 16),) * CHUNKS}
     sizes, deferred = [report.held[0], report.held[1]], [report.deferred[0], report.deferred[1]]
     gradients = [report.gradients[0], report.gradients[1]]
@@ -136,3 +139,34 @@ def test_a_split_backward_holds_the_gradients_its_weight_half_starts_from() -> N
     without = simulate(zero_bubble(CHUNKS, 2), {k: 1.0 for k in Kind}, sizes=sizes, gradients=gradients,
                        temporaries=temporaries).peak_bytes
     assert expected[0] > without[0]  # the deferred gradients are part of worker 0's peak
+
+
+def test_temporaries_leave_out_the_gradient_a_backward_starts_from_where_it_passes_on_unchanged() -> None:
+    # out = x @ w + x: the sum's backward hands its gradient, as it is, to both branches; the matmul makes its
+    # input's gradient (4 x 8 floats) and its weight's (8 x 8). The received gradient is counted elsewhere.
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    out = x @ w + x
+    seed = torch.randn(4, 8)
+    counted = Temporaries([out])
+    counted.run([seed])
+    out.backward(seed)
+    counted.remove()
+    assert counted.most == 4 * (4 * 8 + 8 * 8)
+    assert measuring_time() > 0  # the hooks' own time, which a timed action leaves out
+
+
+def test_hooks_left_on_a_graph_keep_nothing_alive() -> None:
+    # A step that fails between a pair's I and its W leaves the counting hooks on its graph, after an I that ran
+    # only the input's half: the graph and what it saved go once nothing else holds them.
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    saved = torch.tanh(x @ w)  # tanh saves its output
+    out = saved * 2
+    gone = weakref.ref(saved)
+    counted = Temporaries([out])
+    seed = torch.randn(4, 8)
+    counted.run([seed])
+    torch.autograd.grad(out, [x], seed, retain_graph=True)  # I: the weight's half not run
+    assert counted.most == 4 * (4 * 8 + 4 * 8)  # tanh's input gradient, then x's; none left for w's half
+    del saved, out
+    gc.collect()
+    assert gone() is None

@@ -404,6 +404,10 @@ def test_a_backwards_temporaries_are_held_while_it_runs(costs: Optional[Dict[Kin
     assert run.peak_bytes == (112.0, 111.0)
     # Without, they are held from the first backward's start.
     assert simulate(schedule, costs, sizes=[1, 1], gradients=[100, 100]).peak_bytes == (102.0, 101.0)
+    # Temporaries smaller than the gradients: the first backward holds at least the gradients it makes (GPipe's
+    # worker 0: its 8 pairs and 100 bytes, as it starts).
+    run = simulate(gpipe(8, 2), costs, sizes=[40, 10], gradients=[100, 100], temporaries=[0, 0])
+    assert run.peak_bytes == (420.0, 180.0)
     # A split backward's I and W each hold theirs while they run: ZB-H1's worker 0 runs each W right after its I.
     assert simulate(zero_bubble(4, 2), SPLIT_UNIT, temporaries=[[5, 6, 7, 8], 1]).peak_bytes == (8.0, 1.0)
     with pytest.raises(ValueError, match=r"temporaries\[0\] must be bytes"):

@@ -31,7 +31,7 @@ from torchpipe.microbatch import Batch
 from torchpipe.recompute import Selective, discarding, mutated
 from torchpipe.rng import streams
 from torchpipe.runtime.boundary import alias, copy_leaf, is_differentiable, make_leaves, own_gradients, own_version
-from torchpipe.runtime.held import Holding, kept_tensors
+from torchpipe.runtime.held import Holding, kept_tensors, measuring_time
 from torchpipe.runtime.skips import StageSkips, received_skips, stashed_roots
 from torchpipe.runtime.step import StageState, Step
 from torchpipe.runtime.transport import Edge, EdgeKind, Message
@@ -84,9 +84,11 @@ def _run(step: Step, action: Action) -> None:
         if step.timings is None:
             _ACTIONS[kind](step, action)
         else:  # see [Note: zero-bubble split]: this thread's CPU time, not the wait for messages
-            began, started = time.perf_counter(), time.thread_time()
+            began, started, measuring = time.perf_counter(), time.thread_time(), measuring_time()
             _ACTIONS[kind](step, action)
-            step.timings.setdefault((s, kind), []).append(time.thread_time() - started)
+            # Less what counting a backward's temporaries took (see [Note: held bytes]): not the action's cost.
+            spent = time.thread_time() - started - (measuring_time() - measuring)
+            step.timings.setdefault((s, kind), []).append(max(spent, 0.0))
             step.timings.spans.append((began, time.perf_counter()))
 
 
@@ -344,7 +346,7 @@ def backward(step: Step, action: Action) -> None:
     keep = key is not None and key.observed
     found: List[Optional[Tensor]]
     if step.memory is not None:
-        step.memory.watch(s, i, roots)
+        step.memory.watch(s, i, roots, grads)
     try:
         found = _run_backward(step, s, roots, grads, inputs, keep)
     finally:
@@ -392,8 +394,13 @@ def backward_input(step: Step, action: Action) -> None:
     roots, grads = _output_roots(step, s, i, state)
     inputs, popped = _inputs(step, s, i, state)
     if step.memory is not None:
-        step.memory.watch(s, i, roots)  # until its W (settled there)
-    found, state.weight = split_input(roots, grads, inputs)
+        step.memory.watch(s, i, roots, grads)  # until its W (settled there)
+    try:
+        found, state.weight = split_input(roots, grads, inputs)
+    except BaseException:
+        if step.memory is not None:
+            step.memory.settle(s, i)
+        raise
     if step.memory is not None and state.weight is not None:
         step.memory.defer(s, i, state.weight.seeds())
     state.outputs = None  # the graph lives on in what W needs
@@ -406,7 +413,7 @@ def backward_weight(step: Step, action: Action) -> None:
     s, i = action.stage, action.microbatch
     state = step.states.pop((s, i))
     if step.memory is not None:
-        step.memory.watch(s, i, ())
+        step.memory.watch(s, i, (), state.weight.seeds() if state.weight is not None else ())
     try:
         if state.weight is not None:
             split_weight(state.weight)

@@ -18,8 +18,23 @@ These are the ``sizes``, ``recomputed``, ``deferred``, ``gradients`` and ``tempo
 bytes a step adds. Not counted: the parameters (held before the step), what an operator's backward allocates
 and frees inside itself, and the allocator's slack.
 """
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    FrozenSet,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +43,7 @@ from torchpipe.runtime.release import local
 from torchpipe.schedule import Schedule
 from torchpipe.schedule.footprint import Footprint
 
-__all__ = ["Holding", "Measured", "MemoryReport", "kept_tensors", "report"]
+__all__ = ["Holding", "Measured", "MemoryReport", "Temporaries", "kept_tensors", "measuring_time", "report"]
 
 
 def _storage(tensor: Tensor) -> Optional[Tuple[int, Any]]:
@@ -88,68 +103,108 @@ def _unpack(tensor: Tensor) -> Tensor:
 class Temporaries:
     """The gradients a (stage, micro-batch)'s backward runs make as they go, the most at once (see [Note: held
     bytes]): a hook on each node of its graph counts the storages of the gradients the node made, until the nodes
-    they flow to have run. A gradient for a leaf (a parameter, the stage's input) counts only as it is made: what
-    goes on to ``.grad`` is the step's gradients, counted apart. The gradients a run starts from (received, or
-    what ``I`` kept for ``W``) are counted elsewhere too, so not here."""
+    they flow to (those the run executes) have run. A gradient for a leaf (a parameter, the stage's input) counts
+    only as it is made: a parameter's goes on to ``.grad``, the step's gradients, counted apart; the input's is the
+    message to the stage before. The gradients a run starts from (received, or what ``I`` kept for ``W``) are
+    counted elsewhere, so not here, nor where they pass on unchanged (a view, a sum's branches).
 
-    __slots__ = ("most", "_handles", "_pending", "_refs", "_live")
+    The hooks keep no node of their own alive (only the nodes after theirs, which it holds anyway): a graph that a
+    failed step leaves with its hooks on is freed as the graph is. The CPU time they take on the calling thread is
+    added to :func:`measuring_time`, which a timed action leaves out."""
+
+    __slots__ = ("most", "_handles", "_pending", "_refs", "_live", "_known")
 
     def __init__(self, roots: Sequence[Tensor]) -> None:
+        began = time.thread_time()
         #: The most bytes of gradients made and not yet taken at once, over the runs so far.
         self.most = 0
-        self._pending: Dict[Any, List[int]] = {}
+        self._pending: Dict[int, List[int]] = {}  # node -> the storages flowing to it
         self._refs: Dict[int, List[int]] = {}  # storage -> [bytes, the nodes yet to take it]
         self._live = 0
+        self._known: FrozenSet[int] = frozenset()
         self._handles: List[Any] = []
+        nodes: List[Any] = []
+        index: Dict[Any, int] = {}
         stack: List[Any] = [root.grad_fn for root in roots if root.grad_fn is not None]
-        seen: Set[Any] = set()
         while stack:
             node = stack.pop()
-            if node is None or node in seen:
+            if node is None or node in index:
                 continue
-            seen.add(node)
+            index[node] = len(nodes)
+            nodes.append(node)
             stack += [following for following, _ in node.next_functions]
-            if not _is_leaf_node(node):  # a leaf's node may be another stage's too (a tied parameter)
-                self._handles.append(node.register_hook(self._hook(node)))
+        for k, node in enumerate(nodes):
+            if _is_leaf_node(node):  # a leaf's node may be another stage's too (a tied parameter)
+                continue
+            following = [(None, -1) if nxt is None or _is_leaf_node(nxt) else (nxt, index[nxt])
+                         for nxt, _ in node.next_functions]
+            self._handles.append(node.register_hook(self._hook(k, following)))
+        _add_measuring_time(time.thread_time() - began)
 
-    def _hook(self, node: Any) -> Any:
+    def _hook(self, token: int, following: List[Tuple[Any, int]]) -> Any:
         def made(grad_inputs: Sequence[Optional[Tensor]], grad_outputs: Sequence[Optional[Tensor]]) -> None:
+            began = time.thread_time()
             new: Dict[int, int] = {}
-            kept: List[Tuple[Any, int]] = []
-            for (following, _), grad in zip(node.next_functions, grad_inputs):
+            kept: List[Tuple[int, int]] = []
+            for (nxt, after), grad in zip(following, grad_inputs):
                 found = _storage(grad) if isinstance(grad, Tensor) else None
                 if found is None or found[0] == 0:
                     continue
                 where, storage = found
-                if where not in self._refs:
+                if where not in self._refs and where not in self._known:
                     new[where] = int(storage.nbytes())
-                if following is not None and not _is_leaf_node(following):
-                    kept.append((following, where))
+                if nxt is not None and _will_run(nxt):
+                    kept.append((after, where))
             self.most = max(self.most, self._live + sum(new.values()))
-            for following, where in kept:
+            for after, where in kept:
                 entry = self._refs.setdefault(where, [new.get(where, 0), 0])
-                if entry[1] == 0 and where in new:
+                if entry[1] == 0:
                     self._live += entry[0]
                 entry[1] += 1
-                self._pending.setdefault(following, []).append(where)
-            for where in self._pending.pop(node, []):  # what this node took is freed as it ends
+                self._pending.setdefault(after, []).append(where)
+            for where in self._pending.pop(token, []):  # what this node took is freed as it ends
                 entry = self._refs[where]
                 entry[1] -= 1
                 if entry[1] == 0:
                     self._live -= entry[0]
                     del self._refs[where]
+            _add_measuring_time(time.thread_time() - began)
 
         return made
 
-    def run(self) -> None:
-        """Before each backward run: nothing made yet in it."""
+    def run(self, seeds: Iterable[Any]) -> None:
+        """Before each backward run, which starts from the gradients ``seeds``: nothing made yet in it."""
         self._pending, self._refs, self._live = {}, {}, 0
+        found = (_storage(seed) for seed in seeds if isinstance(seed, Tensor))
+        self._known = frozenset(f[0] for f in found if f is not None)
 
     def remove(self) -> None:
         """The hooks taken off the graph (after its last run)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._pending, self._refs, self._known = {}, {}, frozenset()
+
+
+#: Whether the engine's running backward will execute a node (asked from within its hooks; None: this PyTorch
+#: cannot tell, and every node is taken to run).
+_will_execute: Optional[Callable[[Any], bool]] = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _will_run(node: Any) -> bool:
+    return True if _will_execute is None else bool(_will_execute(node))
+
+
+_measuring = threading.local()
+
+
+def measuring_time() -> float:
+    """The CPU seconds this thread has spent counting a backward's temporaries (:class:`Temporaries`)."""
+    return float(getattr(_measuring, "seconds", 0.0))
+
+
+def _add_measuring_time(seconds: float) -> None:
+    _measuring.seconds = measuring_time() + seconds
 
 
 def _is_leaf_node(node: Any) -> bool:
@@ -240,13 +295,13 @@ class Measured:
         if graph is not None:
             self.recomputed[(s, i)] = graph.bytes(besides=forward)
 
-    def watch(self, s: int, i: int, roots: Sequence[Tensor]) -> None:
-        """Before a backward run of the pair (its ``B``; its ``I``, then its ``W``): counts the gradients it makes,
-        through hooks on the graph of ``roots`` (put on at its first run)."""
+    def watch(self, s: int, i: int, roots: Sequence[Tensor], seeds: Iterable[Any]) -> None:
+        """Before a backward run of the pair (its ``B``; its ``I``, then its ``W``) from the gradients ``seeds``:
+        counts the gradients it makes, through hooks on the graph of ``roots`` (put on at its first run)."""
         watched = self._watched.get((s, i))
         if watched is None:
             watched = self._watched[(s, i)] = Temporaries(roots)
-        watched.run()
+        watched.run(seeds)
 
     def settle(self, s: int, i: int) -> None:
         """After the pair's last backward run: the most its runs made at once, and the hooks off its graph."""

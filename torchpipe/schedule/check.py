@@ -216,8 +216,8 @@ class Simulation:
         by its stage's size for the micro-batch (``sizes=``), a recomputed pair's graph from its ``R`` on
         (``recomputed=``), what a split backward keeps for its ``W`` from its ``I`` on (``deferred=``), each
         stage's parameter gradients from its first ``B`` or ``W`` to the step's end (``gradients=``), and what
-        each backward action makes on its way, while it runs (``temporaries=``: then the first ``B`` or ``W``
-        counts the gradients it makes among them, and they are held from its end on).
+        each backward action makes on its way, while it runs (``temporaries=``: then a stage's first ``B`` or
+        ``W`` holds at least its gradients while it runs, and they are held from its end on).
 
         Raises:
             ValueError: :func:`simulate` was given no ``sizes``.
@@ -245,7 +245,7 @@ class Simulation:
         # action holds ``during`` while it runs, on top of what its pair holds until it ends (its own events
         # just before and just after the others at its place in the worker's list); a stage's parameter
         # gradients are held from the start of its first B or W, or, with ``during`` (which counts them as
-        # they are made), from its end.
+        # they are made), from its end, that action holding at least them while it runs.
         # Each pair's end, and where its worker's list runs what ends it: at one instant (actions that take no
         # time), what ends and starts goes in the worker's order, so a pair held until an action ends before one
         # that a later action starts, and one held for no time still counts.
@@ -275,11 +275,17 @@ class Simulation:
             until, at = ends.get(pair, (self.step_time, len(position)))
             events[self.stage_workers[action.stage]] += [(begin, position[action], weight), (until, at, -weight)]
         for s, (begin, at, maker) in making.items():
-            # Made by the first such action: counted in its temporaries while it runs, where they are given.
-            since = (self.end[maker], at + 0.5) if during is not None else (begin, at)
-            if s < len(gradients) and gradients[s]:
-                events[self.stage_workers[s]] += [(*since, gradients[s]),
-                                                  (self.step_time, len(position), -gradients[s])]
+            if s >= len(gradients) or not gradients[s]:
+                continue
+            made, on = gradients[s], self.stage_workers[s]
+            if during is None:
+                events[on] += [(begin, at, made), (self.step_time, len(position), -made)]
+                continue
+            # Made by the first such action, among its temporaries while it runs (at least the gradients)
+            events[on] += [(self.end[maker], at + 0.5, made), (self.step_time, len(position), -made)]
+            short = made - during(maker.stage, maker.microbatch)
+            if short > 0:
+                events[on] += [(begin, at - 0.5, short), (self.end[maker], at + 0.5, -short)]
         peaks = []
         for worker in events:
             held_now = most = 0.0
@@ -321,7 +327,9 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
             from its first ``B`` (or ``W``) to the step's end (0 where they exist before the step).
         temporaries: as ``sizes``, what each backward action (``B``, ``I`` or ``W``) adds while it runs: the
             gradients it makes on its way (of the activations it passes through, of the weights before they
-            reach ``.grad``, which the first one makes for good: ``gradients`` are then held from its end).
+            reach ``.grad``, which the stage's first one makes for good: ``gradients`` are then held from its
+            end, and it holds at least them while it runs). One figure for all of a micro-batch's backward
+            actions: of a split backward, the most its ``I`` or its ``W`` made (a bound for the other).
 
     Example::
 
