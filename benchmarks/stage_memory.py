@@ -129,16 +129,28 @@ class Runner(RankRunner):
         return self.pipe.memory().predicted_peak.get(rank)
 
 
+def joined(rank: int, width: int, rows: int, chunks: int) -> Tuple[Tensor, Tensor]:
+    """This rank in the gloo group (one intra-op thread), and the step's batch: the same on every rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
+    torch.manual_seed(1)
+    return torch.randn(rows * chunks, width), torch.randn(rows * chunks, width)
+
+
+def timed_step(runner: Runner, x: Tensor, y: Tensor) -> Tuple[float, float]:
+    """One step of ``runner``: its time and the process's CPU time in it, ms."""
+    started, cpu = time.perf_counter(), time.process_time()
+    runner.step(x, y)
+    return (time.perf_counter() - started) * 1e3, (time.process_time() - cpu) * 1e3
+
+
 def rank_main(rank: int, config: Config, rounds: int, blocks: int, width: int, rows: int, chunks: int,
               out: str) -> None:
     """One configuration on this rank, in processes of its own: nothing another configuration left in the heap
     counts for it."""
-    torch.set_num_threads(1)
     if not large_blocks_from_mmap():
         raise SystemExit("stage_memory needs glibc's mallopt, to return freed blocks to the system at once")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
-    torch.manual_seed(1)
-    x, y = torch.randn(rows * chunks, width), torch.randn(rows * chunks, width)
+    x, y = joined(rank, width, rows, chunks)
     # What the library starts once per process (threads, connections, the autograd engine, the code its steady
     # steps run, faulted in), before the baseline: a pipeline of its own and two steps.
     first = Runner(config, rank, blocks, width, chunks)
@@ -160,16 +172,14 @@ def rank_main(rank: int, config: Config, rounds: int, blocks: int, width: int, r
         dist.barrier()
         reset_peak_rss()
         start = proc_status_bytes("VmRSS")
-        started, cpu = time.perf_counter(), time.process_time()
-        runner.step(x, y)
-        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        elapsed, cpu = timed_step(runner, x, y)
         high = proc_status_bytes("VmHWM")
         dist.barrier()
         kept.append((start - baseline) / MiB)
         adds.append((high - start) / MiB)
         peaks.append((high - baseline) / MiB)
-        times.append(elapsed * 1e3)
-        cpus.append(cpu * 1e3)
+        times.append(elapsed)
+        cpus.append(cpu)
     predicted = runner.predicted(rank)
     result = {"kept_mib": statistics.median(kept), "step_mib": statistics.median(adds),
               "peak_mib": statistics.median(peaks), "peaks_mib": peaks, "step_ms": statistics.median(times),
@@ -182,10 +192,7 @@ def rank_timing(rank: int, rounds: int, blocks: int, width: int, rows: int, chun
     """The step times of :data:`RECOMPUTING` on this rank, round by round in one process (each round runs each
     configuration's step once, in an order that turns from round to round), with malloc as it is: what the machine's
     load does to one round it does to every configuration alike."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
-    torch.manual_seed(1)
-    x, y = torch.randn(rows * chunks, width), torch.randn(rows * chunks, width)
+    x, y = joined(rank, width, rows, chunks)
     runners = [Runner(config, rank, blocks, width, chunks) for config in RECOMPUTING]
     for runner in runners:  # the set-up, the first step's measurement and what later steps run once
         runner.step(x, y)
@@ -196,10 +203,9 @@ def rank_timing(rank: int, rounds: int, blocks: int, width: int, rows: int, chun
         for k in rotated(range(len(runners)), r):
             gc.collect()
             dist.barrier()
-            started, cpu = time.perf_counter(), time.process_time()
-            runners[k].step(x, y)
-            times[k].append((time.perf_counter() - started) * 1e3)
-            cpus[k].append((time.process_time() - cpu) * 1e3)
+            elapsed, cpu = timed_step(runners[k], x, y)
+            times[k].append(elapsed)
+            cpus[k].append(cpu)
     result = {name_of(config): {"step_ms": statistics.median(times[k]), "cpu_ms": statistics.median(cpus[k]),
                                 "steps_ms": times[k]} for k, config in enumerate(RECOMPUTING)}
     Path(out).write_text(json.dumps(result))

@@ -344,7 +344,6 @@ def backward(step: Step, action: Action) -> None:
     # then. Otherwise free it as the backward goes, as the plain module does.
     key = step.keys[i]
     keep = key is not None and key.observed
-    found: List[Optional[Tensor]]
     if step.memory is not None:
         step.memory.watch(s, i, roots, grads)
     try:

@@ -308,7 +308,7 @@ class Measured:
         watched = self._watched.pop((s, i), None)
         if watched is not None:
             watched.remove()
-            self.temporaries[(s, i)] = max(self.temporaries.get((s, i), 0), watched.most)
+            self.temporaries[(s, i)] = watched.most
 
     def defer(self, s: int, i: int, seeds: Iterable[Tensor]) -> None:
         """Counts what the pair's ``I`` left for its ``W``: the gradients ``W`` starts from."""

@@ -216,8 +216,8 @@ class Simulation:
         by its stage's size for the micro-batch (``sizes=``), a recomputed pair's graph from its ``R`` on
         (``recomputed=``), what a split backward keeps for its ``W`` from its ``I`` on (``deferred=``), each
         stage's parameter gradients from its first ``B`` or ``W`` to the step's end (``gradients=``), and what
-        each backward action makes on its way, while it runs (``temporaries=``: then a stage's first ``B`` or
-        ``W`` holds at least its gradients while it runs, and they are held from its end on).
+        each backward action makes on its way, while it runs (``temporaries=``; a stage's first ``B`` or ``W``
+        holds at least its gradients while it runs).
 
         Raises:
             ValueError: :func:`simulate` was given no ``sizes``.
@@ -241,51 +241,39 @@ class Simulation:
 
     def _peaks(self, weights: Mapping[Kind, Callable[[int, int], float]], gradients: Sequence[float] = (),
                during: Optional[Callable[[int, int], float]] = None) -> Tuple[float, ...]:
-        # Each action of a kind in ``weights`` holds its weight from its start to its pair's end; each backward
-        # action holds ``during`` while it runs, on top of what its pair holds until it ends (its own events
-        # just before and just after the others at its place in the worker's list); a stage's parameter
-        # gradients are held from the start of its first B or W, or, with ``during`` (which counts them as
-        # they are made), from its end, that action holding at least them while it runs.
+        # Each action of a kind in ``weights`` holds its weight from its start to its pair's end. Each backward
+        # action holds ``during`` while it runs, on top of what its pair holds until it ends (its own events just
+        # before and just after the others at its place in the worker's list); a stage's first B or W, which makes
+        # its parameter gradients, holds at least them while it runs, and they stay from its end to the step's end.
         # Each pair's end, and where its worker's list runs what ends it: at one instant (actions that take no
         # time), what ends and starts goes in the worker's order, so a pair held until an action ends before one
         # that a later action starts, and one held for no time still counts.
         position = self.position or {action: i for i, action in enumerate(self.order())}
         ends: Dict[Tuple[int, int], Tuple[float, int]] = {}
+        first: Dict[int, Action] = {}  # per stage, its first action that makes its gradients
         for action, finish in self.end.items():
             if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                 ends[(action.stage, action.microbatch)] = (finish, position[action])
+                known = first.get(action.stage)
+                if known is None or (self.start[action], position[action]) < (self.start[known], position[known]):
+                    first[action.stage] = action
         events: List[List[Tuple[float, float, float]]] = [[] for _ in self.busy]
-        #: Per stage, the first of its actions that make its gradients, and where it starts: they stay to the
-        #: step's end.
-        making: Dict[int, Tuple[float, int, Action]] = {}
         for action, begin in self.start.items():
-            pair = (action.stage, action.microbatch)
-            if action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
-                earliest = making.get(action.stage)
-                if earliest is None or (begin, position[action]) < earliest[:2]:
-                    making[action.stage] = (begin, position[action], action)
-            if during is not None and action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
-                made = during(*pair)
-                events[self.stage_workers[action.stage]] += [(begin, position[action] - 0.5, made),
-                                                             (self.end[action], position[action] + 0.5, -made)]
+            pair, at, on = (action.stage, action.microbatch), position[action], self.stage_workers[action.stage]
+            if action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT):
+                made = during(*pair) if during is not None else 0.0
+                if first.get(action.stage) == action and action.stage < len(gradients) and gradients[action.stage]:
+                    kept = gradients[action.stage]
+                    made = max(made, kept)
+                    events[on] += [(self.end[action], at + 0.5, kept), (self.step_time, len(position), -kept)]
+                if made:
+                    events[on] += [(begin, at - 0.5, made), (self.end[action], at + 0.5, -made)]
             of = weights.get(action.kind)
             if of is None:
                 continue
             weight = of(*pair)
-            until, at = ends.get(pair, (self.step_time, len(position)))
-            events[self.stage_workers[action.stage]] += [(begin, position[action], weight), (until, at, -weight)]
-        for s, (begin, at, maker) in making.items():
-            if s >= len(gradients) or not gradients[s]:
-                continue
-            made, on = gradients[s], self.stage_workers[s]
-            if during is None:
-                events[on] += [(begin, at, made), (self.step_time, len(position), -made)]
-                continue
-            # Made by the first such action, among its temporaries while it runs (at least the gradients)
-            events[on] += [(self.end[maker], at + 0.5, made), (self.step_time, len(position), -made)]
-            short = made - during(maker.stage, maker.microbatch)
-            if short > 0:
-                events[on] += [(begin, at - 0.5, short), (self.end[maker], at + 0.5, -short)]
+            until, last = ends.get(pair, (self.step_time, len(position)))
+            events[on] += [(begin, at, weight), (until, last, -weight)]
         peaks = []
         for worker in events:
             held_now = most = 0.0
@@ -327,9 +315,9 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, *, communication
             from its first ``B`` (or ``W``) to the step's end (0 where they exist before the step).
         temporaries: as ``sizes``, what each backward action (``B``, ``I`` or ``W``) adds while it runs: the
             gradients it makes on its way (of the activations it passes through, of the weights before they
-            reach ``.grad``, which the stage's first one makes for good: ``gradients`` are then held from its
-            end, and it holds at least them while it runs). One figure for all of a micro-batch's backward
-            actions: of a split backward, the most its ``I`` or its ``W`` made (a bound for the other).
+            reach ``.grad``, which the stage's first one makes for good: it holds at least ``gradients``
+            while it runs). One figure for all of a micro-batch's backward actions: of a split backward, the
+            most its ``I`` or its ``W`` made (a bound for the other).
 
     Example::
 
